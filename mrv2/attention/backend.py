@@ -1,0 +1,75 @@
+"""The attention-backend interface.
+
+The runner builds one `CommonAttentionMetadata` per step from its persistent
+input buffers; each backend turns it into its own metadata once per step
+(`build_metadata`) and then runs every layer with it (`forward`). Graph capture
+talks to backends only through the three hooks at the bottom; nothing wraps or
+patches a device's graph API.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from mrv2.config import KVLayout
+from mrv2.runner.kv_cache import LayerKVCache
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Backend-neutral description of one step's attention work.
+
+    Requests are ordered decodes first: rows [0, num_decodes) have query length 1.
+    Device tensors are views of the runner's persistent buffers; the `*_cpu`
+    arrays are host mirrors (exact without speculative decoding, upper bounds with it)
+    so that backends can size work without reading the device.
+    """
+
+    num_reqs: int
+    num_tokens: int
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc_cpu: np.ndarray
+    seq_lens_cpu: np.ndarray
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    """An attention implementation over a paged KV cache."""
+
+    name: str
+    supported_layouts: tuple[KVLayout, ...] = ("joint", "split")
+
+    @abstractmethod
+    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """Per-step metadata shared by all layers."""
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                cache: LayerKVCache | None, metadata: Any, scale: float) -> torch.Tensor:
+        """Write key/value into `cache` at the step's slots, then attend.
+
+        query [T, H, D], key [T, Hkv, D], value [T, Hkv, Dv] -> [T, H, Dv].
+        `metadata is None` is a profile run: causal attention over the tokens, no cache.
+        """
+
+    # -- graph-capture hooks (called by the graph manager, never by the runner) --
+
+    def before_capture(self, descriptor: Any) -> None:
+        """Allocate what a graph for `descriptor` needs (e.g. a workspace)."""
+
+    def after_capture(self, descriptor: Any) -> None:
+        """Drop strong references that replay does not need."""
+
+    def prepare_replay(self, descriptor: Any, metadata: Any) -> None:
+        """Update parameters that live outside the graph before a replay."""

@@ -1,0 +1,128 @@
+"""Paged attention in plain torch ops: the portable reference backend (CPU default).
+
+Per step, requests form two groups, each served by one SDPA call per layer:
+- decodes (query length 1), keys padded to the longest decode context;
+- prefills (chunks, possibly after a cached prefix), queries padded to the longest
+  chunk, with a causal mask offset by each request's prefix.
+Keys and values are gathered a whole block at a time (`index_select` over the
+block table), which measured 2-5x faster than gathering token by token; with the
+joint layout K and V come out of one contiguous gather. Gather indices and masks
+are built once per step in `build_metadata` and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mrv2.attention.backend import AttentionBackend, CommonAttentionMetadata
+from mrv2.runner.kv_cache import LayerKVCache
+
+
+@dataclass
+class _Group:
+    """Rows of one SDPA call: their blocks (flattened) and the attention mask."""
+
+    blocks: torch.Tensor  # [R * nb] block ids, row-major
+    num_rows: int
+    num_keys: int  # nb * block_size, the padded key length
+    mask: torch.Tensor  # [R, 1, Lq, num_keys] bool
+    query_index: torch.Tensor | None = None  # [R, Lq] token of each padded query (prefill only)
+    out_index: torch.Tensor | None = None  # [tokens] row of the flattened padded output (prefill only)
+
+
+@dataclass
+class TorchPagedMetadata:
+    """Per-step gather indices and masks."""
+
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    prefill_start: int  # first prefill token
+    decode: _Group | None
+    prefill: _Group | None
+
+
+def _blocks(block_table: torch.Tensor, max_len: int, block_size: int) -> tuple[torch.Tensor, int]:
+    nb = -(-max_len // block_size)
+    return block_table[:, :nb].reshape(-1).long(), nb * block_size
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Reference paged attention; runs wherever torch runs."""
+
+    name = "torch"
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TorchPagedMetadata:
+        nd, n, bs = common.num_decodes, common.num_reqs, common.block_size
+        qsl_cpu, seq_cpu = common.query_start_loc_cpu, common.seq_lens_cpu
+        decode = prefill = None
+        if nd > 0:
+            blocks, num_keys = _blocks(common.block_table[:nd], int(seq_cpu[:nd].max()), bs)
+            j = torch.arange(num_keys, device=blocks.device)
+            mask = j < common.seq_lens[:nd, None]
+            decode = _Group(blocks, nd, num_keys, mask[:, None, None, :])
+        if nd < n:
+            qlens_cpu = qsl_cpu[nd + 1:n + 1] - qsl_cpu[nd:n]
+            max_q = int(qlens_cpu.max())
+            blocks, num_keys = _blocks(common.block_table[nd:n], int(seq_cpu[nd:n].max()), bs)
+            seq_lens = common.seq_lens[nd:n].long()
+            starts = common.query_start_loc[nd:n].long()
+            qlens = common.query_start_loc[nd + 1:n + 1].long() - starts
+            i = torch.arange(max_q, device=blocks.device)
+            q_valid = i < qlens[:, None]  # [P, Lq]
+            q_pos = seq_lens[:, None] - qlens[:, None] + i  # position of each query
+            j = torch.arange(num_keys, device=blocks.device)
+            causal = j[None, None, :] <= q_pos[:, :, None]
+            # Padded query rows attend key 0 only, so softmax never sees an empty row.
+            mask = torch.where(q_valid[:, :, None], causal, j[None, None, :] == 0)
+            flat = torch.arange(q_valid.numel(), device=blocks.device).view_as(q_valid)
+            prefill = _Group(blocks, n - nd, num_keys, mask[:, None], torch.where(q_valid, starts[:, None] + i, 0),
+                             flat[q_valid])
+        return TorchPagedMetadata(common.slot_mapping, nd, int(qsl_cpu[nd]), decode, prefill)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                cache: LayerKVCache | None, metadata: TorchPagedMetadata | None, scale: float) -> torch.Tensor:
+        if metadata is None:
+            return self._causal(query, key, value, scale)
+        num_tokens = metadata.slot_mapping.shape[0]
+        cache["k"].flatten(0, 1).index_copy_(0, metadata.slot_mapping, key[:num_tokens])
+        cache["v"].flatten(0, 1).index_copy_(0, metadata.slot_mapping, value[:num_tokens])
+        out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
+        if metadata.decode is not None:
+            g = metadata.decode
+            k, v = self._gather(cache, g)
+            o = self._sdpa(query[:g.num_rows].unsqueeze(2), k, v, g.mask, scale)
+            out[:g.num_rows] = o.squeeze(2)
+        if metadata.prefill is not None:
+            g = metadata.prefill
+            k, v = self._gather(cache, g)
+            o = self._sdpa(query[g.query_index].transpose(1, 2), k, v, g.mask, scale)
+            out[metadata.prefill_start:num_tokens] = o.transpose(1, 2).flatten(0, 1)[g.out_index]
+        return out
+
+    @staticmethod
+    def _gather(cache: LayerKVCache, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the group's blocks as [R, heads, num_keys, dim]."""
+        k_cache, v_cache = cache["k"], cache["v"]
+        hk, dk, hv, dv = *k_cache.shape[2:], *v_cache.shape[2:]
+        if cache.joint is not None:
+            kv = cache.joint.index_select(0, g.blocks).view(g.num_rows, g.num_keys, -1)
+            k = kv[..., :hk * dk].unflatten(-1, (hk, dk))
+            v = kv[..., hk * dk:].unflatten(-1, (hv, dv))
+        else:
+            k = k_cache.index_select(0, g.blocks).view(g.num_rows, g.num_keys, hk, dk)
+            v = v_cache.index_select(0, g.blocks).view(g.num_rows, g.num_keys, hv, dv)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    @staticmethod
+    def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+    @staticmethod
+    def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
+                                             value.transpose(0, 1)[None], is_causal=True, scale=scale,
+                                             enable_gqa=key.shape[1] != query.shape[1])
+        return out[0].transpose(0, 1)

@@ -1,0 +1,1 @@
+"""Benchmarks that anyone can rerun, each side by side with its baseline."""

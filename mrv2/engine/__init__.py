@@ -1,0 +1,1 @@
+"""Engine side: offline API, engine loop, scheduler, KV block pool, requests, outputs."""

@@ -1,0 +1,111 @@
+"""`LLM`: the offline batch API, with vLLM's names."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from mrv2.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from mrv2.engine.llm_engine import LLMEngine
+from mrv2.engine.outputs import RequestOutput
+from mrv2.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Generate completions for batches of prompts.
+
+    `model` is an HF checkpoint folder or a GGUF file; None runs the embedded
+    SmolLM2-135M-Instruct. The KV cache takes `kv_cache_memory` bytes when given,
+    else `kv_cache_memory_fraction` of the free device memory.
+    """
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
+                 kv_cache_memory: int | None = None, kv_cache_memory_fraction: float = 0.5,
+                 block_size: int = 16, kv_cache_layout: str = "joint", kv_transfer: bool = False,
+                 enable_chunked_prefill: bool = True, enforce_eager: bool = False, seed: int = 0,
+                 device: str | None = None) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              memory_fraction=kv_cache_memory_fraction, layout=kv_cache_layout,
+                              kv_transfer=kv_transfer),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill),
+            enforce_eager=enforce_eager, device=device,
+        )
+        self.engine = LLMEngine(config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Complete every prompt; results come back in input order.
+
+        Every prompt and parameter set is validated before any request starts, so a
+        bad input raises ValueError and leaves the engine idle and ready.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        return self._run(requests, use_tqdm)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        if not messages:
+            raise ValueError("messages must not be empty")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        if tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        prompts = []
+        for conversation in conversations:
+            if not conversation or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                           for m in conversation):
+                raise ValueError("each message must be a dict with 'role' and 'content'")
+            ids = tokenizer.apply_chat_template(list(conversation), tokenize=True,
+                                                add_generation_prompt=add_generation_prompt,
+                                                return_dict=False, **(chat_template_kwargs or {}))
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        order = {r.req_id: i for i, r in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            for r in requests:
+                engine.add_request(r)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            # Blocks return at once; the runner frees the slots at the next step.
+            engine.abort([r.req_id for r in requests])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return results  # type: ignore[return-value]

@@ -1,0 +1,166 @@
+"""The synchronous engine loop: requests in, scheduler + model runner, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from mrv2.config import GiB, EngineConfig
+from mrv2.engine.outputs import CompletionOutput, RequestOutput
+from mrv2.engine.request import Request
+from mrv2.engine.scheduler import Scheduler
+from mrv2.runner.kv_cache import num_blocks_for_budget
+from mrv2.runner.model_runner import ModelRunner
+from mrv2.platforms import get_platform
+from mrv2.sampling_params import SamplingParams
+
+logger = logging.getLogger("mrv2")
+
+# Host RAM is shared with everything else on the machine: unless told otherwise,
+# the CPU cache takes at most this much (vLLM's CPU default is 4 GiB as well).
+_CPU_DEFAULT_KV_CAP = 4 * GiB
+
+
+class LLMEngine:
+    """Owns the tokenizer, scheduler and model runner; `step()` runs one engine step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from mrv2.loader.resolve import check_architecture, resolve_model_path
+        from mrv2.loader.safetensors_weights import iter_safetensors_weights
+
+        t0 = time.perf_counter()
+        self.platform = get_platform(config.device)
+        self.platform.configure_threads()
+        path = resolve_model_path(config.model.model)
+        hf_config = AutoConfig.from_pretrained(path)
+        check_architecture(hf_config)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer or path)
+        self.hf_config = hf_config
+        self.model_path = path
+
+        model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_model_len = config.model.max_model_len or model_max
+        if max_model_len > model_max:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({model_max})")
+        config = config.with_max_model_len(max_model_len)
+        if config.scheduler.max_num_batched_tokens < config.scheduler.max_num_seqs:
+            config = replace(config, scheduler=replace(config.scheduler,
+                                                       max_num_seqs=config.scheduler.max_num_batched_tokens))
+        self.config = config
+        checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(checkpoint_dtype, str):
+            checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
+        self.dtype = self.platform.resolve_dtype(config.model.dtype, checkpoint_dtype)
+        torch.manual_seed(config.model.seed)
+
+        self.runner = ModelRunner(config, self.platform, hf_config, iter_safetensors_weights(path), self.dtype)
+        num_blocks = self._plan_kv_cache()
+        alignment = config.cache.base_alignment(self.platform.kv_alignment)
+        kv = self.runner.initialize_kv_cache(num_blocks, alignment)
+        self.scheduler = Scheduler(config.scheduler, config.cache.block_size, num_blocks, max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s layout, %d B aligned); max concurrency "
+                    "%.1f requests of %d tokens; ready in %.1f s", num_blocks, config.cache.block_size,
+                    kv.raw.numel() / 2**20, config.cache.layout, alignment,
+                    (num_blocks - 1) * config.cache.block_size / max_model_len, max_model_len,
+                    time.perf_counter() - t0)
+        self.eos_token_ids = self._eos_token_ids()
+        self._ids = itertools.count()
+
+    def _plan_kv_cache(self) -> int:
+        cfg = self.config
+        specs = self.runner.kv_cache_specs()
+        alignment = cfg.cache.base_alignment(self.platform.kv_alignment)
+        if cfg.cache.kv_cache_memory is not None:
+            budget = cfg.cache.kv_cache_memory
+        else:
+            activation_bytes = self.runner.activation_bytes()
+            budget = int(self.platform.free_memory() * cfg.cache.memory_fraction) - activation_bytes
+            if self.platform.name == "cpu":
+                budget = min(budget, _CPU_DEFAULT_KV_CAP)
+        num_blocks = num_blocks_for_budget(specs, cfg.cache.layout, cfg.cache.block_size, alignment, budget)
+        # More blocks than every slot at full length can use would sit idle.
+        useful = cfg.scheduler.max_num_seqs * -(-cfg.max_model_len // cfg.cache.block_size) + 1
+        num_blocks = min(num_blocks, useful)
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory ({budget} bytes) is too small for even one KV block "
+                             f"({sum(s.bytes_per_token for s in specs) * cfg.cache.block_size} bytes)")
+        return num_blocks
+
+    def _eos_token_ids(self) -> list[int]:
+        ids: list[int] = []
+        for source in (getattr(self.tokenizer, "eos_token_id", None), getattr(self.hf_config, "eos_token_id", None)):
+            for t in source if isinstance(source, (list, tuple)) else [source]:
+                if t is not None and t not in ids:
+                    ids.append(int(t))
+        return ids
+
+    # -- requests --
+
+    def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        """A prompt (text, or a dict with `prompt` or `prompt_token_ids`) -> (text, token ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                vocab = self.runner.model.config.vocab_size
+                bad = [t for t in ids if not 0 <= t < vocab]
+                if bad:
+                    raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string or a dict, got {type(prompt).__name__}")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def make_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> Request:
+        """Validate a prompt and its parameters into a Request (nothing is scheduled yet)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        text, ids = self.tokenize(prompt)
+        self.scheduler.validate_prompt(ids)
+        eos = self.eos_token_ids
+        if len(eos) > 1:  # secondary EOS ids (e.g. Llama 3's <|eot_id|>) stop like stop tokens
+            params = replace(params, stop_token_ids=list(params.stop_token_ids) + eos[1:])
+        request = Request(request_id or str(next(self._ids)), ids, params, eos[0] if eos else None)
+        request.prompt = text
+        return request
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """One schedule -> execute -> sample -> update round; outputs of requests that advanced."""
+        sched = self.scheduler.schedule()
+        self.runner.execute_model(sched)
+        runner_out = self.runner.sample_tokens()
+        updated = self.scheduler.update_from_output(sched, runner_out)
+        return [self._output(r) for r in updated]
+
+    def _output(self, request: Request) -> RequestOutput:
+        finished = request.is_finished
+        text = ""
+        if finished:
+            text = self.tokenizer.decode(request.output_token_ids,
+                                         skip_special_tokens=request.sampling_params.skip_special_tokens)
+        completion = CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
+                                      request.stop_reason)
+        return RequestOutput(request.req_id, request.prompt, request.prompt_token_ids, [completion], finished)

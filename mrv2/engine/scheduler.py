@@ -1,0 +1,193 @@
+"""Continuous-batching scheduler with a token budget, chunked prefill and preemption (vLLM V1)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from mrv2.config import SchedulerConfig
+from mrv2.engine.block_pool import BlockPool
+from mrv2.engine.kv_cache_manager import KVCacheManager
+from mrv2.engine.request import Request, RequestStatus, validate_prompt_length
+from mrv2.engine.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                          SchedulerOutput)
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    Running requests are served first, in admission order (oldest first), so decodes
+    are never starved; when blocks run out the most recently admitted running request
+    is preempted (its KV dropped, to be recomputed later). Waiting requests are then
+    admitted first come, first served, unless something was preempted this step.
+
+    `num_gpu_blocks` counts block 0, the null block. A request that would outgrow the
+    whole KV cache is finished as length-capped: `max_model_len` is capped at the
+    cache's capacity plus one (the last sampled token needs no KV).
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, block_size: int, num_gpu_blocks: int,
+                 max_model_len: int) -> None:
+        if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({max_model_len}) when chunked prefill is disabled")
+        self.config = scheduler_config
+        self.block_size = block_size
+        self.block_pool = BlockPool(num_gpu_blocks)
+        self.model_max_len = max_model_len
+        self.max_model_len = min(max_model_len, self.block_pool.num_usable_blocks * block_size + 1)
+        self.kv_cache_manager = KVCacheManager(self.block_pool, block_size, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished, aborted or preempted since the last schedule(): the runner frees their slots.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # Requests in and out.
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError if the prompt is empty, too long for max_model_len, or larger than the KV cache."""
+        validate_prompt_length(prompt_token_ids, self.model_max_len)
+        needed = self.kv_cache_manager.blocks_for_tokens(len(prompt_token_ids))
+        if needed > self.block_pool.num_usable_blocks:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens, needing {needed} KV cache blocks, but the "
+                f"cache has only {self.block_pool.num_usable_blocks} (num_gpu_blocks)")
+
+    def add_request(self, request: Request) -> None:
+        """Validate and queue a request (FCFS); raises ValueError for a bad prompt or reused id."""
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        self.validate_prompt(request.prompt_token_ids)
+        if request.max_model_len is None or request.max_model_len > self.max_model_len:
+            request.max_model_len = self.max_model_len
+        request.status = RequestStatus.WAITING
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, req_ids: str | Iterable[str]) -> list[Request]:
+        """Abort unfinished requests now (unknown ids are ignored) and free their blocks."""
+        aborted = []
+        for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self.finished_req_ids.add(req_id)  # only a running request holds a runner slot
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            aborted.append(request)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_finished_requests(self) -> bool:
+        """True when finished ids are still to be reported to the runner."""
+        return bool(self.finished_req_ids)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # One step.
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, then advance their num_computed_tokens."""
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        num_scheduled: dict[str, int] = {}
+        cached: list[tuple[Request, list[int]]] = []
+        new: list[Request] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            # >= 1, and within max_model_len: an unfinished request has num_tokens < max_model_len.
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            cached.append((request, new_blocks))
+            num_scheduled[request.req_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # A preemption means blocks are short: admitting more would only cause thrashing.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget:
+                if not chunked:
+                    break
+                num_new = budget
+            if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            new.append(request)
+            num_scheduled[request.req_id] = num_new
+            budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData(req_id=r.req_id, prompt_token_ids=list(r.prompt_token_ids),
+                               all_token_ids=list(r.all_token_ids), sampling_params=r.sampling_params,
+                               block_ids=list(r.block_ids), num_computed_tokens=r.num_computed_tokens)
+                for r in new],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.req_id for r, _ in cached],
+                new_block_ids=[b for _, b in cached],
+                num_computed_tokens=[r.num_computed_tokens for r, _ in cached]),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[Request]:
+        """Append sampled tokens and apply stop checks; return the requests that got a new
+        token this step (finished ones included, with their final status)."""
+        updated = []
+        for req_id, token_id in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if (request is None or req_id not in scheduler_output.num_scheduled_tokens
+                    or request.status != RequestStatus.RUNNING):
+                continue  # aborted (or preempted) since it was scheduled
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # partial prefill chunk: its sample is meaningless
+            request.append_output_token(token_id)
+            if request.check_stop(self.max_model_len):
+                self.running.remove(request)
+                self.finished_req_ids.add(req_id)
+                self._finish(request, request.status)
+            updated.append(request)
+        return updated
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.finished_req_ids.add(request.req_id)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.req_id]

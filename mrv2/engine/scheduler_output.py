@@ -1,0 +1,63 @@
+"""The scheduler -> runner contract for one step, and the runner's answer.
+
+The scheduler never sends a running request's tokens again: the runner keeps
+each request's token history in its own slot state and writes sampled tokens
+there itself. A preempted request is reported as finished to the runner and
+comes back later as a new request carrying all its tokens so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mrv2.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has not seen (or sees again after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Prompt plus any tokens generated before a preemption: all of them are prefilled.
+    all_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """Diffs for requests already in the runner: only new blocks and progress."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's schedule."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests finished, aborted or preempted since the previous step: free their slots.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Sampled tokens of one step, one entry per scheduled request, in `req_ids` order.
+
+    A request whose prefill is still partial after this step samples nothing
+    useful; the scheduler ignores its entry.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]

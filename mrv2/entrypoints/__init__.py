@@ -1,0 +1,1 @@
+"""User entry points: the `mrv2` command line."""

@@ -1,0 +1,188 @@
+"""The `mrv2` command: generate, chat, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    g.add_argument("--device", default=None, help="cpu, cuda or npu (default: best available)")
+    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_memory=args.kv_cache_memory, device=args.device, enforce_eager=args.enforce_eager,
+                seed=args.seed)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+
+
+def sampling_params(args: argparse.Namespace, seed: int | None):
+    from mrv2.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=seed)
+
+
+def _read_inputs(path: str) -> list[Any]:
+    """One prompt per line: plain text, or JSON with "prompt", "prompt_token_ids" or "messages"."""
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+                if not any(k in obj for k in ("prompt", "prompt_token_ids", "messages")):
+                    raise ValueError(f"{path}:{n}: a JSON line needs 'prompt', 'prompt_token_ids' or 'messages'")
+                items.append(obj)
+            else:
+                items.append(line)
+    if not items:
+        raise ValueError(f"{path}: no prompts")
+    return items
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from mrv2 import LLM
+
+    if (args.prompt is None) == (args.input is None):
+        raise ValueError("give a prompt or --input FILE (exactly one)")
+    params = sampling_params(args, args.seed if args.temperature > 0 else None)
+    llm = LLM(**engine_kwargs(args))
+    if args.input is None:
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+        else:
+            out = llm.generate(args.prompt, params)[0]
+        print(out.outputs[0].text)
+        return 0
+    items = _read_inputs(args.input)
+    tokenizer = llm.get_tokenizer()
+    prompts = []
+    for item in items:
+        messages = item.get("messages") if isinstance(item, dict) else None
+        if messages is None and args.chat:
+            text = item if isinstance(item, str) else item.get("prompt")
+            messages = [{"role": "user", "content": text}] if text is not None else None
+        if messages is not None:
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                return_dict=False)
+            prompts.append({"prompt_token_ids": list(ids)})
+        else:
+            prompts.append(item)
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        for item, out in zip(items, outputs):
+            c = out.outputs[0]
+            record = {"prompt": item if isinstance(item, str) else item.get("prompt", item.get("messages")),
+                      "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from mrv2 import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args, None)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("mrv2 chat: type a message; /reset clears the conversation, /exit (or Ctrl-D) quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            reply = llm.chat(history, params)[0].outputs[0].text
+        except ValueError as e:  # e.g. the conversation outgrew max_model_len
+            history.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        history.append({"role": "assistant", "content": reply})
+        print(reply)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mrv2", description="Model Runner V2 LLM engine")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete a prompt, or every prompt of a file")
+    gen.add_argument("prompt", nargs="?", default=None)
+    gen.add_argument("--input", default=None, help="a file with one prompt a line (text or JSONL)")
+    gen.add_argument("--output", default=None, help="where to write JSONL results (default: stdout)")
+    gen.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
+    add_sampling_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="an interactive chat session")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    add_sampling_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from mrv2.bench.throughput import add_args as add_throughput_args, run as run_throughput
+
+    tp = bench_sub.add_parser("throughput", help="offline throughput: N prompts x M output tokens")
+    add_throughput_args(tp)
+    add_engine_args(tp)
+    tp.set_defaults(func=run_throughput)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"mrv2: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

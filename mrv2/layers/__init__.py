@@ -1,0 +1,1 @@
+"""Model building blocks: rotary embeddings, norms, linear layers."""

@@ -1,0 +1,54 @@
+"""Iterate the tensors of an HF checkpoint folder's safetensors files."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from mrv2.loader.errors import CorruptCheckpointError, ModelLoadError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(folder: str | os.PathLike) -> list[Path]:
+    """The folder's weight files: the shards its index names, else model.safetensors, else any *.safetensors."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = list(dict.fromkeys(weight_map.values()))  # shard order, deduplicated
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptCheckpointError(index, f"not a valid safetensors index ({exc})") from exc
+        files = [folder / name for name in names]
+        for file in files:
+            if not file.is_file():
+                raise CorruptCheckpointError(file, f"listed in {INDEX_FILE} but missing")
+        return files
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no safetensors weights in {folder} (expected model.safetensors or {INDEX_FILE})")
+    return files
+
+
+def iter_safetensors_weights(folder: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` for every tensor of the checkpoint, one file at a time."""
+    for file in safetensors_files(folder):
+        try:
+            handle = safe_open(file, framework="pt")
+        except (SafetensorError, OSError) as exc:
+            raise CorruptCheckpointError(file, str(exc)) from exc
+        with handle:
+            for name in handle.keys():
+                try:
+                    tensor = handle.get_tensor(name)
+                except SafetensorError as exc:
+                    raise CorruptCheckpointError(file, f"tensor {name}: {exc}") from exc
+                yield name, tensor

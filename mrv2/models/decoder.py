@@ -1,0 +1,210 @@
+"""One decoder-only transformer for the Llama family, Mistral, Qwen2 and Qwen3.
+
+The architectures differ only in switches read from the HF config: QKV bias
+(Qwen2), per-head q/k RMSNorm (Qwen3), explicit head_dim, tied embeddings and
+RoPE scaling. Weights are loaded from HF tensor names into fused QKV and
+gate/up projections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mrv2.attention.backend import AttentionBackend
+from mrv2.layers.linear import Linear
+from mrv2.layers.norm import RMSNorm
+from mrv2.layers.rotary import RopeConfig, RotaryEmbedding
+from mrv2.runner.kv_cache import KVCacheSpec, LayerKVCache
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The per-architecture switches of the decoder, resolved from an HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+    @staticmethod
+    def from_hf(c: Any) -> "DecoderConfig":
+        arch = (getattr(c, "architectures", None) or [""])[0]
+        attention_bias = bool(getattr(c, "attention_bias", False))
+        is_qwen2 = c.model_type == "qwen2"
+        return DecoderConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            rms_norm_eps=c.rms_norm_eps, rope=RopeConfig.from_hf(c), max_position=c.max_position_embeddings,
+            qkv_bias=is_qwen2 or attention_bias, o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(c, "mlp_bias", False)), qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        )
+
+
+class Attention(nn.Module):
+    """Self-attention over the paged KV cache, through the attention backend."""
+
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias, dtype)
+        self.o_proj = Linear(q_size, [cfg.hidden_size], cfg.o_bias, dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = cfg.head_dim ** -0.5
+        self.kv_cache: LayerKVCache | None = None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with a fused gate/up projection."""
+
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, [cfg.hidden_size], cfg.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block."""
+
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, backend, rotary, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, attn_metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderForCausalLM(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head."""
+
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope, dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight
+        else:
+            self.lm_head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                                               requires_grad=False)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        c = self.config
+        return [KVCacheSpec.gqa(c.num_kv_heads, c.head_dim, c.head_dim, self.dtype)] * c.num_layers
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def estimate_activation_bytes(self, num_tokens: int, num_logits: int) -> int:
+        """Live activations of one step, from shapes (for platforms without peak statistics)."""
+        c = self.config
+        widths = 3 * c.hidden_size + 2 * (c.num_heads + c.num_kv_heads) * c.head_dim + 3 * c.intermediate_size
+        return num_tokens * widths * self.dtype.itemsize + num_logits * c.vocab_size * 4
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, attn_metadata)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raise if any parameter is left unset or a name is unknown."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight":
+                if self.config.tie_word_embeddings:
+                    continue
+                name = "lm_head_weight"
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in fused:
+                module_name, shard = fused[parts[-2]]
+                target = ".".join(parts[:-2] + [module_name, parts[-1]])
+                module = self.get_submodule(".".join(parts[:-2] + [module_name]))
+                module.load_shard(params[target], shard, tensor.to(self.dtype))
+                loaded.add(f"{target}#{shard}")
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(params[name].shape)}")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        expected = set()
+        for name in params:
+            module_name, _, pname = name.rpartition(".")
+            module = self.get_submodule(module_name) if module_name else self
+            if isinstance(module, Linear) and len(module.shard_sizes) > 1:
+                expected.update(f"{name}#{i}" for i in range(len(module.shard_sizes)))
+            else:
+                expected.add(name)
+        if self.config.tie_word_embeddings:
+            expected.discard("lm_head_weight")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

@@ -1,0 +1,31 @@
+"""Map HF `architectures` names to mrv2 model classes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mrv2.attention.backend import AttentionBackend
+from mrv2.models.decoder import DecoderConfig, DecoderForCausalLM
+
+_DECODER_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = _DECODER_ARCHS
+
+
+def architecture_of(hf_config: Any) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ValueError("config.json names no architecture ('architectures' is empty)")
+    return archs[0]
+
+
+def build_model(hf_config: Any, backend: AttentionBackend, dtype: torch.dtype) -> nn.Module:
+    """An uninitialised model for `hf_config` (weights are loaded afterwards)."""
+    arch = architecture_of(hf_config)
+    if arch in _DECODER_ARCHS:
+        return DecoderForCausalLM(DecoderConfig.from_hf(hf_config), backend, dtype)
+    from mrv2.loader.errors import UnsupportedArchitectureError
+
+    raise UnsupportedArchitectureError(arch, SUPPORTED_ARCHITECTURES)

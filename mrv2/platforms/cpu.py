@@ -1,0 +1,60 @@
+"""The CPU platform: the reference. Execution is synchronous, memory is host RAM."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+from mrv2.platforms.interface import Platform
+
+
+@lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+class CpuPlatform(Platform):
+    """Host CPU with torch's own kernels."""
+
+    name = "cpu"
+    device_type = "cpu"
+    kv_alignment = 64  # a cache line
+    measures_peak_memory = False
+
+    def is_available(self) -> bool:
+        return True
+
+    def supports_native_bf16(self) -> bool:
+        flags = _cpu_flags()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+
+    def free_memory(self) -> int:
+        try:
+            return _meminfo("MemAvailable")
+        except (OSError, KeyError):
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    def configure_threads(self) -> None:
+        # One intra-op thread per core; torch's default may count SMT siblings.
+        n = len(os.sched_getaffinity(0))
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        # Subnormal floats take a microcode slow path on x86 (tens of times slower).
+        torch.set_flush_denormal(True)

@@ -1,0 +1,63 @@
+"""The device seam: everything the engine needs to know about a device type."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class Platform(ABC):
+    """One device type. Only `mrv2.platforms` names a device; the rest asks this object."""
+
+    name: str
+    device_type: str
+    # Default byte alignment of KV-cache base addresses.
+    kv_alignment: int = 256
+    # Whether a profile run's peak memory can be measured (device allocators keep peak
+    # statistics; host RSS cannot be attributed to one forward pass).
+    measures_peak_memory: bool = True
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    @abstractmethod
+    def is_available(self) -> bool: ...
+
+    @abstractmethod
+    def supports_native_bf16(self) -> bool: ...
+
+    def resolve_dtype(self, dtype: str, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """Map a user dtype string to a torch dtype; "auto" avoids emulated bf16."""
+        names = {
+            "float32": torch.float32, "fp32": torch.float32,
+            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+            "float16": torch.float16, "fp16": torch.float16,
+        }
+        if dtype != "auto":
+            return names[dtype]
+        if checkpoint_dtype in (torch.bfloat16, torch.float16) and self.supports_native_bf16():
+            return checkpoint_dtype
+        return torch.float32
+
+    @abstractmethod
+    def free_memory(self) -> int:
+        """Bytes the engine may still allocate on the device."""
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak-memory measurement."""
+
+    def peak_memory(self) -> int:
+        """Peak bytes allocated on the device since `reset_peak_memory`."""
+        raise NotImplementedError(f"{self.name} does not measure peak memory")
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (a no-op where execution is synchronous)."""
+
+    def pin_memory(self) -> bool:
+        """Whether host staging buffers should be pinned for async copies."""
+        return False
+
+    def configure_threads(self) -> None:
+        """Set host threading for this device type."""

@@ -1,0 +1,136 @@
+"""KV-cache spec, layout policy and allocation (seed gap 2, solved by design).
+
+Each attention layer declares a `KVCacheSpec`: the parts it stores per token
+(GQA: K and V; MLA: latent and rope key), each `num_heads x head_dim`. The
+allocator cuts every layer's tensors as views from ONE raw byte allocation:
+
+- layout "joint": one tensor per layer, [num_blocks, block_size, sum of part widths];
+  each part is a strided view of it.
+- layout "split": one contiguous tensor per part per layer,
+  [num_blocks, block_size, num_heads, head_dim]; the parts of a layer are split
+  by byte ratio, as kernels that want separate K and V caches expect.
+
+Every tensor base address is aligned to `alignment` bytes (the platform's
+default, 2 MiB when a KV transfer is configured).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mrv2.config import KVLayout
+
+
+@dataclass(frozen=True)
+class KVPart:
+    """One per-token component of a layer's cache, e.g. K or V."""
+
+    name: str
+    num_heads: int
+    head_dim: int
+
+    @property
+    def width(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one attention layer stores per token."""
+
+    parts: tuple[KVPart, ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def gqa(num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: torch.dtype) -> "KVCacheSpec":
+        return KVCacheSpec((KVPart("k", num_kv_heads, head_dim), KVPart("v", num_kv_heads, v_head_dim)), dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(p.width for p in self.parts) * self.dtype.itemsize
+
+
+@dataclass
+class LayerKVCache:
+    """One layer's cache views, keyed by part name; each is [num_blocks, block_size, heads, dim].
+
+    With the joint layout, `joint` is the whole [num_blocks, block_size, width] tensor the
+    parts are column slices of: gathering from it is contiguous, gathering a part is not.
+    """
+
+    parts: dict[str, torch.Tensor]
+    joint: torch.Tensor | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.parts[name]
+
+
+@dataclass
+class KVCache:
+    """All layers' caches and the raw allocation they are views of."""
+
+    layers: list[LayerKVCache]
+    raw: torch.Tensor
+    num_blocks: int
+    block_size: int
+    alignment: int
+
+
+def _align(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def _tensor_sizes(spec: KVCacheSpec, layout: KVLayout, num_blocks: int, block_size: int) -> list[int]:
+    per_part = [num_blocks * block_size * p.width * spec.dtype.itemsize for p in spec.parts]
+    return [sum(per_part)] if layout == "joint" else per_part
+
+
+def kv_cache_bytes(specs: list[KVCacheSpec], layout: KVLayout, num_blocks: int, block_size: int,
+                   alignment: int) -> int:
+    """Bytes of the raw allocation for `num_blocks` blocks, alignment padding included."""
+    total = sum(_align(n, alignment) for s in specs for n in _tensor_sizes(s, layout, num_blocks, block_size))
+    return total + alignment  # slack to align the base address itself
+
+
+def num_blocks_for_budget(specs: list[KVCacheSpec], layout: KVLayout, block_size: int, alignment: int,
+                          budget_bytes: int) -> int:
+    """The largest number of blocks whose cache fits in `budget_bytes`."""
+    bytes_per_block = sum(s.bytes_per_token for s in specs) * block_size
+    num_tensors = sum(len(_tensor_sizes(s, layout, 1, block_size)) for s in specs)
+    num_blocks = max(0, (budget_bytes - (num_tensors + 1) * alignment) // bytes_per_block)
+    while num_blocks > 0 and kv_cache_bytes(specs, layout, num_blocks, block_size, alignment) > budget_bytes:
+        num_blocks -= 1
+    return num_blocks
+
+
+def allocate_kv_cache(specs: list[KVCacheSpec], layout: KVLayout, num_blocks: int, block_size: int,
+                      alignment: int, device: torch.device) -> KVCache:
+    """Allocate one raw buffer and cut every layer's (aligned) views from it."""
+    if num_blocks < 2:
+        raise ValueError(f"the KV cache needs at least 2 blocks (one is reserved), got {num_blocks}")
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a positive power of two, got {alignment}")
+    raw = torch.empty(kv_cache_bytes(specs, layout, num_blocks, block_size, alignment),
+                      dtype=torch.uint8, device=device)
+    offset = -raw.data_ptr() % alignment
+    layers = []
+    for spec in specs:
+        sizes = _tensor_sizes(spec, layout, num_blocks, block_size)
+        chunks = []
+        for n in sizes:
+            chunks.append(raw[offset:offset + n].view(spec.dtype))
+            offset += _align(n, alignment)
+        if layout == "joint":
+            total_width = sum(p.width for p in spec.parts)
+            joint = chunks[0].view(num_blocks, block_size, total_width)
+            views, col = {}, 0
+            for p in spec.parts:
+                views[p.name] = joint[:, :, col:col + p.width].unflatten(-1, (p.num_heads, p.head_dim))
+                col += p.width
+            layers.append(LayerKVCache(views, joint))
+        else:
+            layers.append(LayerKVCache({p.name: c.view(num_blocks, block_size, p.num_heads, p.head_dim)
+                                        for p, c in zip(spec.parts, chunks)}))
+    return KVCache(layers=layers, raw=raw, num_blocks=num_blocks, block_size=block_size, alignment=alignment)

@@ -1,0 +1,114 @@
+"""Slot-based request state (MRV2 principle 1: state is not input).
+
+Every live request owns one row ("slot") of these tensors from admission until it
+finishes or is preempted. Rows are never reordered or compacted; a step's batch is
+an `idx_mapping` into them. The device tensors are the source of truth for token
+history and progress; the numpy arrays mirror what the host knows (exact without
+speculative decoding) so it can size work without reading the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mrv2.engine.scheduler_output import NewRequestData
+from mrv2.runner.staged_writes import StagedRowWriter, StagedScalarWriter
+
+
+class RequestStates:
+    """Per-request token history, progress counters and sampling parameters."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device, pin_memory: bool,
+                 seed: int = 0) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self._free_slots = list(range(max_num_reqs - 1, -1, -1))
+        self.slot_of: dict[str, int] = {}
+        self._rng = np.random.default_rng(seed)
+
+        def zeros(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        # One spare column: the post-update writes position num_tokens even at the length limit.
+        self.token_ids = zeros(max_num_reqs, max_model_len + 1, dtype=torch.int64)
+        self.num_tokens = zeros(max_num_reqs, dtype=torch.int32)
+        self.num_computed = zeros(max_num_reqs, dtype=torch.int32)
+        self.temperature = zeros(max_num_reqs, dtype=torch.float32)
+        self.top_k = zeros(max_num_reqs, dtype=torch.int32)
+        self.top_p = zeros(max_num_reqs, dtype=torch.float32)
+        self.min_p = zeros(max_num_reqs, dtype=torch.float32)
+        self.seeds = zeros(max_num_reqs, dtype=torch.int64)
+
+        self.num_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_cpu = np.zeros(max_num_reqs, dtype=np.int64)
+        self.temperature_cpu = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_k_cpu = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p_cpu = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p_cpu = np.zeros(max_num_reqs, dtype=np.float32)
+
+        self._token_writer = StagedRowWriter(self.token_ids, pin_memory)
+        self._scalar_writers = {name: StagedScalarWriter(getattr(self, name), pin_memory)
+                                for name in ("num_tokens", "num_computed", "temperature", "top_k", "top_p",
+                                             "min_p", "seeds")}
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def add(self, req: NewRequestData) -> int:
+        """Give `req` a slot and stage its tokens and parameters."""
+        if req.req_id in self.slot_of:
+            raise ValueError(f"request {req.req_id!r} is already in the runner")
+        if not self._free_slots:
+            raise RuntimeError("no free request slot: the scheduler exceeded max_num_seqs")
+        slot = self._free_slots.pop()
+        self.slot_of[req.req_id] = slot
+        params = req.sampling_params
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**62))
+        top_k = params.top_k if params.top_k > 0 else 0
+        n = len(req.all_token_ids)
+        self._token_writer.stage(slot, 0, req.all_token_ids)
+        for name, value in (("num_tokens", n), ("num_computed", req.num_computed_tokens),
+                            ("temperature", params.temperature), ("top_k", top_k), ("top_p", params.top_p),
+                            ("min_p", params.min_p), ("seeds", seed)):
+            self._scalar_writers[name].stage(slot, value)
+        self.num_tokens_cpu[slot] = n
+        self.num_computed_cpu[slot] = req.num_computed_tokens
+        self.temperature_cpu[slot] = params.temperature
+        self.top_k_cpu[slot] = top_k
+        self.top_p_cpu[slot] = params.top_p
+        self.min_p_cpu[slot] = params.min_p
+        return slot
+
+    def remove(self, req_id: str) -> int | None:
+        """Free the slot of a finished or preempted request; None if it was never added."""
+        slot = self.slot_of.pop(req_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+        return slot
+
+    def apply_staged(self) -> None:
+        self._token_writer.apply()
+        for writer in self._scalar_writers.values():
+            writer.apply()
+
+    def post_update(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor, sampled: torch.Tensor,
+                    idx_cpu: np.ndarray, num_scheduled_cpu: np.ndarray) -> None:
+        """Advance progress and append each request's sampled token, on the device.
+
+        A request whose prefill is still partial after this step keeps its history
+        unchanged (its sample is discarded), decided per row on the device.
+        """
+        computed = self.num_computed[idx_mapping] + num_scheduled
+        self.num_computed[idx_mapping] = computed
+        n = self.num_tokens[idx_mapping]
+        done = computed >= n
+        pos = n.long()
+        current = self.token_ids[idx_mapping, pos]
+        self.token_ids[idx_mapping, pos] = torch.where(done, sampled, current)
+        self.num_tokens[idx_mapping] = n + done.int()
+        # The host mirror follows the same rule with what it already knows.
+        computed_cpu = self.num_computed_cpu[idx_cpu] + num_scheduled_cpu
+        self.num_computed_cpu[idx_cpu] = computed_cpu
+        self.num_tokens_cpu[idx_cpu] += computed_cpu >= self.num_tokens_cpu[idx_cpu]

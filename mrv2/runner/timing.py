@@ -1,0 +1,32 @@
+"""Wall-clock accounting of the runner's step phases (for `mrv2 bench`)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepTiming:
+    """Accumulated seconds per phase: "prep" (diffs, gather, metadata), "forward", "sample"."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: {"prep": 0.0, "forward": 0.0, "sample": 0.0})
+    steps: int = 0
+
+    def reset(self) -> None:
+        for k in self.seconds:
+            self.seconds[k] = 0.0
+        self.steps = 0
+
+    @contextmanager
+    def phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+
+    def prep_share(self) -> float:
+        total = sum(self.seconds.values())
+        return self.seconds["prep"] / total if total else 0.0

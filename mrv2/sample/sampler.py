@@ -1,0 +1,100 @@
+"""Logits to token ids: greedy rows take the argmax, the others a filtered Gumbel-max draw.
+
+Filters follow vLLM: temperature first, then min-p, top-k, top-p on the scaled logits,
+each masking with -inf. All ops run on the logits' device without syncing the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mrv2.sample.gumbel import gumbel_sample
+from mrv2.sample.metadata import GREEDY_EPS, SamplingMetadata
+
+_NEG_INF = float("-inf")
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask, in place, tokens whose probability is below min_p times the row's top one.
+
+    prob_i < min_p * prob_max  <=>  logit_i < logit_max + log(min_p); min_p == 0 gives -inf.
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None]
+    return logits.masked_fill_(logits < threshold, _NEG_INF)
+
+
+def _flip_negatives(bits: torch.Tensor) -> torch.Tensor:
+    """Maps float32 bit patterns (as int32) to ints of the same order, and back."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _sorted_ascending(logits: torch.Tensor) -> torch.Tensor:
+    if logits.dtype != torch.float32:
+        return logits.sort(dim=-1).values
+    # Sorting the order-preserving int32 keys is faster than a float sort, which pays
+    # for NaN handling on CPU.
+    keys = _flip_negatives(logits.contiguous().view(torch.int32)).sort(dim=-1).values
+    return _flip_negatives(keys).view(torch.float32)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor | None,
+    max_top_k: int | None = None,
+) -> torch.Tensor:
+    """Mask, in place, tokens outside each row's top-k, then outside its top-p nucleus.
+
+    Top-p renormalizes over the top-k survivors and keeps the smallest prefix of the
+    descending order whose mass reaches top_p (at least the top token), as vLLM and HF
+    do. Both filters come down to one threshold per row, so ties with the last kept
+    value are kept. `top_p` None skips top-p; `max_top_k` is SamplingMetadata's bound.
+    """
+    vocab_size = logits.shape[-1]
+    k = top_k.long()
+    use_k = (k > 0) & (k < vocab_size)
+    active = use_k if top_p is None else use_k | (top_p < 1.0)
+    if max_top_k is not None and max_top_k < vocab_size:
+        ascending = logits.topk(max(max_top_k, 1), dim=-1).values.flip(-1)
+    else:
+        ascending = _sorted_ascending(logits)
+    width = ascending.shape[-1]
+    k = torch.where(use_k, k, vocab_size).clamp_(max=width)
+    threshold = ascending.gather(1, (width - k)[:, None])  # the k-th largest
+    if top_p is not None:
+        ascending = ascending.masked_fill_(ascending < threshold, _NEG_INF)
+        cumulative = ascending.softmax(dim=-1).cumsum_(dim=-1)
+        drop = cumulative <= (1.0 - top_p)[:, None]
+        drop[:, -1] = False
+        threshold = ascending.gather(1, drop.sum(dim=-1, keepdim=True))  # first kept
+    threshold = threshold.masked_fill_(~active[:, None], _NEG_INF)
+    return logits.masked_fill_(logits < threshold, _NEG_INF)
+
+
+class Sampler:
+    """Samples one token per row of a [B, V] float32 logits tensor; returns int64 [B].
+
+    A random row's draw depends only on its logits, parameters, seed and position, so
+    seeded requests reproduce whatever else is in the batch.
+    """
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        md = metadata
+        if md.all_greedy:
+            return logits.argmax(dim=-1)
+        # Greedy rows go through the random path too (their draws are discarded), so
+        # clamp their temperature to keep the division finite.
+        temperature = md.temperature.clamp(min=GREEDY_EPS)
+        if md.no_min_p and md.no_top_k and md.no_top_p:
+            sampled = gumbel_sample(logits, md.seeds, md.positions, temperature)
+        else:
+            scaled = logits / temperature[:, None]
+            if not md.no_min_p:
+                apply_min_p(scaled, md.min_p)
+            if not (md.no_top_k and md.no_top_p):
+                top_p = None if md.no_top_p else md.top_p
+                apply_top_k_top_p(scaled, md.top_k, top_p, md.max_top_k)
+            sampled = gumbel_sample(scaled, md.seeds, md.positions)
+        if md.all_random:
+            return sampled
+        return torch.where(md.temperature < GREEDY_EPS, logits.argmax(dim=-1), sampled)
