@@ -16,12 +16,7 @@ from mrv2.loader.cache import converted_checkpoint
 from mrv2.loader.default_model import default_gguf_path
 from mrv2.loader.errors import ModelNotFoundError, UnsupportedArchitectureError
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+from mrv2.models.architectures import SUPPORTED_ARCHITECTURES
 
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 

@@ -8,10 +8,8 @@ import torch
 from torch import nn
 
 from mrv2.attention.backend import AttentionBackend
+from mrv2.models.architectures import DECODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from mrv2.models.decoder import DecoderConfig, DecoderForCausalLM
-
-_DECODER_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = _DECODER_ARCHS
 
 
 def architecture_of(hf_config: Any) -> str:
@@ -24,7 +22,7 @@ def architecture_of(hf_config: Any) -> str:
 def build_model(hf_config: Any, backend: AttentionBackend, dtype: torch.dtype) -> nn.Module:
     """An uninitialised model for `hf_config` (weights are loaded afterwards)."""
     arch = architecture_of(hf_config)
-    if arch in _DECODER_ARCHS:
+    if arch in DECODER_ARCHITECTURES:
         return DecoderForCausalLM(DecoderConfig.from_hf(hf_config), backend, dtype)
     from mrv2.loader.errors import UnsupportedArchitectureError
 

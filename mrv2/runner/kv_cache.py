@@ -16,7 +16,9 @@ default, 2 MiB when a KV transfer is configured).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 import torch
 
@@ -69,13 +71,36 @@ class LayerKVCache:
 
 @dataclass
 class KVCache:
-    """All layers' caches and the raw allocation they are views of."""
+    """All layers' caches and the raw allocation they are views of.
+
+    The allocation is left uninitialised (zeroing gigabytes would cost start-up time
+    and commit memory); a block is zeroed the first time it is handed to a request,
+    since backends that read whole blocks multiply masked-out slots by zero and an
+    uninitialised NaN would survive that.
+    """
 
     layers: list[LayerKVCache]
     raw: torch.Tensor
     num_blocks: int
     block_size: int
     alignment: int
+    initialized: np.ndarray = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.initialized is None:
+            self.initialized = np.zeros(self.num_blocks, dtype=bool)
+
+    def ensure_initialized(self, block_ids: list[int]) -> None:
+        """Zero the blocks among `block_ids` that were never used."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        fresh = np.unique(ids[~self.initialized[ids]])
+        if fresh.size == 0:
+            return
+        self.initialized[fresh] = True
+        index = torch.from_numpy(fresh).to(self.raw.device)
+        for layer in self.layers:
+            for t in [layer.joint] if layer.joint is not None else layer.parts.values():
+                t.index_fill_(0, index, 0)
 
 
 def _align(n: int, alignment: int) -> int:

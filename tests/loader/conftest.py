@@ -11,18 +11,11 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from mrv2.loader import converted_checkpoint, default_gguf_path
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 64, 4, 2, 128, 2
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 Q8_0 = GGMLQuantizationType.Q8_0
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-
-
-@pytest.fixture(scope="session")
-def converted_default_model() -> Path:
-    """The embedded default model converted once per machine, in the user's real cache."""
-    return converted_checkpoint(default_gguf_path())
 
 
 @pytest.fixture

@@ -1,0 +1,77 @@
+"""Shared fixtures: the converted default model, its engine, and tiny random checkpoints."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mrv2.loader import converted_checkpoint, default_gguf_path
+
+
+@pytest.fixture(scope="session")
+def converted_default_model() -> Path:
+    """The embedded default model converted once per machine, in the user's real cache."""
+    return converted_checkpoint(default_gguf_path())
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(converted_default_model):
+    """The transformers reference, loaded from mrv2's converted folder (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(converted_default_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """One engine on the default model, shared by the end-to-end tests (each leaves it idle)."""
+    from mrv2 import LLM
+
+    return LLM(max_model_len=1024, max_num_seqs=16, kv_cache_memory=64 << 20)
+
+
+def make_tiny_checkpoint(path: Path, arch: str, tie_word_embeddings: bool, converted_default: Path,
+                         seed: int = 0, **overrides):
+    """Save a tiny random-weight HF checkpoint of `arch` (llama, qwen2, qwen3) with a real tokenizer."""
+    import torch
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    kwargs = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tie_word_embeddings,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if arch == "qwen3":
+        kwargs["head_dim"] = 32  # differs from hidden / heads, as in real Qwen3 configs
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    with torch.no_grad():  # random biases and norms, so every switch is exercised
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(converted_default / f, path / f)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, converted_default_model):
+    """Factory: (arch, tied) -> (folder, HF model), built once per session."""
+    cache = {}
+
+    def get(arch: str, tied: bool):
+        key = (arch, tied)
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"{arch}-{'tied' if tied else 'untied'}")
+            cache[key] = (path, make_tiny_checkpoint(path, arch, tied, converted_default_model))
+        return cache[key]
+
+    return get

@@ -1,0 +1,194 @@
+"""End to end on the embedded default model (SmolLM2-135M-Instruct), against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrv2 import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3, 4, 5,",
+    "Water boils at a temperature of",
+    "The three primary colors are",
+    "Translate to French: Good morning, my friend.",
+    "In machine learning, overfitting means that the model",
+]
+GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(default_llm):
+    tok = default_llm.get_tokenizer()
+    chat = tok.apply_chat_template([{"role": "user", "content": "Name a planet."}], tokenize=True,
+                                   add_generation_prompt=True, return_dict=False)
+    return [tok.encode(p) for p in PROMPTS] + [list(chat)]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_default_model, prompt_ids):
+    """transformers' greedy 32 tokens for every prompt, one at a time (no padding effects)."""
+    refs = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            x = torch.tensor([ids])
+            out = hf_default_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32,
+                                            do_sample=False, eos_token_id=None, pad_token_id=2)
+            refs.append(out[0, len(ids):].tolist())
+    return refs
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _as_inputs(prompt_ids):
+    return [{"prompt_token_ids": ids} for ids in prompt_ids]
+
+
+def test_batch_greedy_matches_transformers(default_llm, prompt_ids, hf_greedy):
+    outputs = default_llm.generate(_as_inputs(prompt_ids), GREEDY_32)
+    assert _tokens(outputs) == hf_greedy
+    assert default_llm.engine.scheduler.block_pool.is_whole()
+
+
+def test_text_prompts_and_outputs(default_llm, prompt_ids, hf_greedy):
+    outputs = default_llm.generate(PROMPTS, GREEDY_32)
+    for out, ids, ref, text in zip(outputs, prompt_ids, hf_greedy, PROMPTS):
+        assert out.prompt == text and out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].text == default_llm.get_tokenizer().decode(ref, skip_special_tokens=True)
+
+
+def test_one_at_a_time_equals_batch(default_llm, prompt_ids, hf_greedy):
+    singles = [default_llm.generate(p, GREEDY_32)[0].outputs[0].token_ids for p in _as_inputs(prompt_ids)]
+    assert singles == hf_greedy
+
+
+def test_chunked_prefill_gives_same_tokens(prompt_ids, hf_greedy):
+    llm = LLM(max_model_len=256, max_num_batched_tokens=8, max_num_seqs=8, kv_cache_memory=32 << 20)
+    assert max(map(len, prompt_ids)) > 8  # every long prompt is split into chunks
+    assert _tokens(llm.generate(_as_inputs(prompt_ids), GREEDY_32)) == hf_greedy
+    assert llm.engine.scheduler.block_pool.is_whole()
+
+
+def test_preemption_gives_same_tokens(prompt_ids, hf_greedy):
+    # 16 blocks of 16 tokens cannot hold nine requests of up to ~80 tokens: some are preempted.
+    spec_bytes = 30 * 2 * 3 * 64 * 4 * 16
+    llm = LLM(max_model_len=256, max_num_seqs=9, kv_cache_memory=17 * spec_bytes + (1 << 16))
+    assert llm.engine.scheduler.block_pool.num_usable_blocks <= 16
+    outputs = llm.generate(_as_inputs(prompt_ids), GREEDY_32)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert _tokens(outputs) == hf_greedy
+    assert llm.engine.scheduler.block_pool.is_whole()
+
+
+def test_chat_uses_the_template(default_llm):
+    out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(temperature=0, max_tokens=16))[0]
+    tok = default_llm.get_tokenizer()
+    assert tok.decode(out.prompt_token_ids).startswith("<|im_start|>system")
+    assert "Paris" in out.outputs[0].text
+    several = default_llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]],
+                               SamplingParams(temperature=0, max_tokens=4))
+    assert len(several) == 2
+
+
+def test_seeded_sampling_is_batch_independent(default_llm):
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = default_llm.generate(PROMPTS[2], params)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * 5
+    batch = default_llm.generate(PROMPTS[:2] + [PROMPTS[2]] + PROMPTS[3:6], others[:2] + [params] + others[2:])
+    assert batch[2].outputs[0].token_ids == alone
+    again = default_llm.generate(PROMPTS[2], params)[0].outputs[0].token_ids
+    assert again == alone
+    other_seed = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99, max_tokens=24, ignore_eos=True)
+    assert default_llm.generate(PROMPTS[2], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_stop_conditions(default_llm, prompt_ids, hf_greedy):
+    ref = hf_greedy[0]
+    stop_tok = ref[5]
+    out = default_llm.generate({"prompt_token_ids": prompt_ids[0]},
+                               SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.token_ids == ref[:ref.index(stop_tok) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    out = default_llm.generate({"prompt_token_ids": prompt_ids[0]}, SamplingParams(temperature=0, max_tokens=3))[0]
+    assert out.outputs[0].token_ids == ref[:3] and out.outputs[0].finish_reason == "length"
+    # Without ignore_eos the chat prompt ends on <|im_end|> (EOS, id 2) with finish_reason "stop".
+    out = default_llm.generate({"prompt_token_ids": prompt_ids[-1]}, SamplingParams(temperature=0, max_tokens=200))[0]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].token_ids[-1] == 2
+
+
+def test_abort_mid_run_returns_blocks(default_llm, prompt_ids):
+    engine = default_llm.engine
+    pool = engine.scheduler.block_pool
+    requests = [engine.make_request({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=64,
+                                                                              ignore_eos=True))
+                for ids in prompt_ids]
+    for r in requests:
+        engine.add_request(r)
+    for _ in range(4):
+        engine.step()
+    held = pool.num_usable_blocks - pool.num_free_blocks
+    victims = [r.req_id for r in requests[::2]]
+    victim_blocks = sum(len(r.block_ids) for r in requests[::2])
+    assert victim_blocks > 0
+    engine.abort(victims)
+    assert pool.num_usable_blocks - pool.num_free_blocks == held - victim_blocks
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert set(finished) == {r.req_id for r in requests[1::2]}
+    assert all(len(o.outputs[0].token_ids) == 64 for o in finished.values())
+    assert pool.is_whole()
+    engine.step()  # the runner releases the last slots
+    assert engine.runner.states.num_free_slots == engine.runner.max_num_reqs
+
+
+@pytest.mark.parametrize("prompt,params,field", [
+    ("", SamplingParams(), "prompt"),
+    ({"prompt_token_ids": []}, SamplingParams(), "prompt"),
+    ({"prompt_token_ids": [5] * 1024}, SamplingParams(), "max_model_len"),
+    ({"prompt_token_ids": [10**9]}, SamplingParams(), "prompt_token_ids"),
+    (42, SamplingParams(), "prompt"),
+])
+def test_bad_prompts_raise_and_engine_keeps_serving(default_llm, prompt, params, field):
+    with pytest.raises(ValueError, match=field):
+        default_llm.generate(["The capital of France is", prompt], params)
+    assert default_llm.engine.scheduler.block_pool.is_whole()
+    assert not default_llm.engine.has_unfinished_requests()
+    out = default_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -3}, "top_k"),
+    ({"min_p": 2.0}, "min_p"),
+])
+def test_bad_sampling_params_raise(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_params_mutated_after_construction_are_rechecked(default_llm):
+    params = SamplingParams()
+    params.temperature = -1.0
+    with pytest.raises(ValueError, match="temperature"):
+        default_llm.generate("hello", params)
+    assert default_llm.generate("hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_unknown_model_path_names_the_path(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ValueError, match=str(missing)):
+        LLM(model=str(missing))
