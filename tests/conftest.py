@@ -43,6 +43,7 @@ def make_tiny_checkpoint(path: Path, arch: str, tie_word_embeddings: bool, conve
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[arch]
     kwargs = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tie_word_embeddings,
@@ -64,14 +65,14 @@ def make_tiny_checkpoint(path: Path, arch: str, tie_word_embeddings: bool, conve
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, converted_default_model):
-    """Factory: (arch, tied) -> (folder, HF model), built once per session."""
+    """Factory: (arch, tied, **config overrides) -> (folder, HF model), built once per session."""
     cache = {}
 
-    def get(arch: str, tied: bool):
-        key = (arch, tied)
+    def get(arch: str, tied: bool, **overrides):
+        key = (arch, tied, repr(sorted(overrides.items())))
         if key not in cache:
             path = tmp_path_factory.mktemp(f"{arch}-{'tied' if tied else 'untied'}")
-            cache[key] = (path, make_tiny_checkpoint(path, arch, tied, converted_default_model))
+            cache[key] = (path, make_tiny_checkpoint(path, arch, tied, converted_default_model, **overrides))
         return cache[key]
 
     return get

@@ -45,11 +45,14 @@ class LLMEngine:
         self.hf_config = hf_config
         self.model_path = path
 
-        model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+        model_max, limit = getattr(hf_config, "max_position_embeddings", None) or 2048, "max_position_embeddings"
+        # Attention here is full-context: past a sliding window the model would see more than it was trained to.
+        window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
+        if window is not None and window < model_max:
+            model_max, limit = window, "sliding_window"
         max_model_len = config.model.max_model_len or model_max
         if max_model_len > model_max:
-            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
-                             f"({model_max})")
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's {limit} ({model_max})")
         config = config.with_max_model_len(max_model_len)
         if config.scheduler.max_num_batched_tokens < config.scheduler.max_num_seqs:
             config = replace(config, scheduler=replace(config.scheduler,

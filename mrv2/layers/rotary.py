@@ -67,11 +67,9 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [tokens, heads, head_dim] (queries and keys may share one call)."""
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
-
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = self.rotary_dim // 2
         x1, x2 = x[..., :half], x[..., half:self.rotary_dim]
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

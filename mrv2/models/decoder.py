@@ -77,14 +77,12 @@ class Attention(nn.Module):
         self.kv_cache: LayerKVCache | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, h + 2 * hkv, self.head_dim)
+        qk, v = qkv[:, :h + hkv], qkv[:, h + hkv:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
+        q, k = self.rotary(positions, qk).split([h, hkv], dim=1)  # one rotation for queries and keys
         out = self.backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale)
         return self.o_proj(out.reshape(t, -1))
 

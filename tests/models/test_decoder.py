@@ -7,7 +7,11 @@ import torch
 
 from mrv2 import LLM, SamplingParams
 
-CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True)]
+CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True),
+         ("mistral", False)]
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
 
 
 def _prompts(n_tokens=(5, 17, 33, 8, 40, 3), vocab=512, seed=1):
@@ -62,3 +66,42 @@ def test_logits_match_transformers_on_prefill_and_decode(tiny_checkpoint, arch, 
         tokens.append(req.output_token_ids[-1])
         checked += 1
     assert checked == 6
+
+
+@pytest.mark.parametrize("rope", [LLAMA3_ROPE, LINEAR_ROPE], ids=["llama3", "linear"])
+def test_rope_scaling_matches_transformers(tiny_checkpoint, rope):
+    path, hf = tiny_checkpoint("llama", False, rope_parameters=rope)
+    llm = LLM(model=str(path), kv_cache_memory=1 << 22)
+    prompts = _prompts((70, 9))  # past original_max_position_embeddings, where the scalings differ
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _hf_greedy(hf, p, 16)
+
+
+def test_bfloat16_runs_close_to_fp32(tiny_checkpoint):
+    path, hf = tiny_checkpoint("llama", False)
+    llm = LLM(model=str(path), kv_cache_memory=1 << 22, dtype="bfloat16")
+    assert llm.engine.dtype == torch.bfloat16
+    assert next(llm.engine.runner.model.parameters()).dtype == torch.bfloat16
+    engine = llm.engine
+    prompt = _prompts((12,))[0]
+    engine.add_request(engine.make_request({"prompt_token_ids": prompt},
+                                           SamplingParams(temperature=0, max_tokens=1)))
+    sched = engine.scheduler.schedule()
+    engine.runner.execute_model(sched)
+    logits = engine.runner._pending.logits[0]
+    engine.scheduler.update_from_output(sched, engine.runner.sample_tokens())
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1]
+    assert logits.dtype == torch.float32
+    assert (logits - ref).abs().max() < 0.05 * ref.abs().max()
+    assert engine.scheduler.block_pool.is_whole()
+
+
+def test_mistral_sliding_window_caps_max_model_len(tiny_checkpoint):
+    path, _ = tiny_checkpoint("mistral", False, sliding_window=128)
+    llm = LLM(model=str(path), kv_cache_memory=1 << 22)
+    assert llm.engine.config.max_model_len == 128
+    with pytest.raises(ValueError, match="sliding_window"):
+        LLM(model=str(path), kv_cache_memory=1 << 22, max_model_len=256)

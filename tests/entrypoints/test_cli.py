@@ -1,0 +1,94 @@
+"""The `mrv2` console script, run as a user would (a real subprocess each time)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MRV2 = shutil.which("mrv2", path=os.path.dirname(sys.executable)) or "mrv2"
+
+
+def run(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([MRV2, *args], input=input, capture_output=True, text=True, timeout=600)
+
+
+def test_generate_prints_the_completion(default_llm):
+    r = run("generate", "The capital of France is", "--max-tokens", "8", "--max-model-len", "512")
+    assert r.returncode == 0, r.stderr
+    expected = default_llm.generate("The capital of France is", _greedy(8))[0].outputs[0].text
+    assert r.stdout.strip() == expected.strip()
+
+
+def test_generate_chat(default_llm):
+    r = run("generate", "What is the capital of France?", "--chat", "--max-tokens", "16", "--max-model-len", "512")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_generate_from_file_writes_jsonl(tmp_path: Path, default_llm):
+    src = tmp_path / "prompts.txt"
+    src.write_text("The capital of France is\n\n" + json.dumps({"prompt": "1, 2, 3,"}) + "\n"
+                   + json.dumps({"messages": [{"role": "user", "content": "Say hi"}]}) + "\n")
+    dst = tmp_path / "out.jsonl"
+    r = run("generate", "--input", str(src), "--output", str(dst), "--max-tokens", "6", "--max-model-len", "512")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [row["prompt"] for row in rows[:2]] == ["The capital of France is", "1, 2, 3,"]
+    assert rows[2]["prompt"] == [{"role": "user", "content": "Say hi"}]
+    assert all(len(row["token_ids"]) <= 6 and row["finish_reason"] in ("stop", "length") for row in rows)
+    expected = default_llm.generate("1, 2, 3,", _greedy(6))[0].outputs[0]
+    assert rows[1]["token_ids"] == expected.token_ids and rows[1]["text"] == expected.text
+    assert "Processed prompts" in r.stderr  # the progress bar
+
+
+def test_chat_session_keeps_history():
+    r = run("chat", "--max-tokens", "12", "--max-model-len", "512",
+            input="My name is Ada. Please remember it.\nWhat is my name?\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    replies = [line for line in r.stdout.splitlines() if line.strip()]
+    assert len(replies) >= 2
+    assert "Ada" in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "hi", "--model", "/no/such/model"], "/no/such/model"),
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--top-p", "0"], "top_p"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate"], "prompt"),
+])
+def test_bad_arguments_exit_2_with_a_clear_message(args, needle):
+    r = run(*args)
+    assert r.returncode == 2
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_input_file_line_is_named(tmp_path: Path):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"prompt": "ok"}\n{"oops": 1}\n')
+    r = run("generate", "--input", str(src))
+    assert r.returncode == 2 and "bad.jsonl:2" in r.stderr
+
+
+def test_bench_throughput_compare_hf(tmp_path: Path):
+    out = tmp_path / "bench.json"
+    r = run("bench", "throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "8", "--compare", "hf",
+            "--json", str(out), "--max-model-len", "512")
+    assert r.returncode == 0, r.stderr
+    assert "output tok/s" in r.stdout and "ratio mrv2/hf" in r.stdout and "host-side input preparation" in r.stdout
+    result = json.loads(out.read_text())
+    assert result["identical_completions"] == 4  # greedy, fp32: the same tokens as transformers
+    assert result["mrv2"]["output_tok_s"] > 0 and result["hf"]["output_tok_s"] > 0
+
+
+def _greedy(n: int):
+    from mrv2 import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n)
