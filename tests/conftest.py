@@ -44,12 +44,21 @@ def make_tiny_checkpoint(path: Path, arch: str, tie_word_embeddings: bool, conve
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     }[arch]
     kwargs = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tie_word_embeddings,
                   bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if arch == "qwen3":
         kwargs["head_dim"] = 32  # differs from hidden / heads, as in real Qwen3 configs
+    if arch.startswith("deepseek"):
+        # Three layers: one dense first (first_k_dense_replace), two MoE with grouped routing.
+        kwargs.update(num_hidden_layers=3, num_key_value_heads=4, moe_intermediate_size=32, q_lora_rank=None,
+                      kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                      n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                      routed_scaling_factor=1.5)
+        kwargs.update({"norm_topk_prob": True} if arch == "deepseek_v3" else {"topk_method": "group_limited_greedy"})
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kwargs)).eval()
@@ -57,6 +66,9 @@ def make_tiny_checkpoint(path: Path, arch: str, tie_word_embeddings: bool, conve
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:  # V3's routing bias: nonzero so that it matters
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(converted_default / f, path / f)

@@ -5,13 +5,12 @@ from mrv2.attention.backend import AttentionBackend, CommonAttentionMetadata
 __all__ = ["AttentionBackend", "CommonAttentionMetadata", "get_attention_backend"]
 
 
-def get_attention_backend(name: str | None = None) -> AttentionBackend:
-    """The attention backend by name; the portable torch backend by default."""
+def get_attention_backend(kind: str = "gqa") -> AttentionBackend:
+    """The portable torch backend for an attention kind: "gqa" (incl. MHA/MQA) or "mla"."""
+    from mrv2.attention.torch_mla import TorchMLAAttention
     from mrv2.attention.torch_paged import TorchPagedAttention
 
-    backends = {TorchPagedAttention.name: TorchPagedAttention}
-    if name is None:
-        return TorchPagedAttention()
-    if name not in backends:
-        raise ValueError(f"attention backend must be one of {sorted(backends)}, got {name!r}")
-    return backends[name]()
+    backends = {"gqa": TorchPagedAttention, "mla": TorchMLAAttention}
+    if kind not in backends:
+        raise ValueError(f"attention kind must be one of {sorted(backends)}, got {kind!r}")
+    return backends[kind]()

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from mrv2.config import KVLayout
-from mrv2.runner.kv_cache import LayerKVCache
 
 
 @dataclass
@@ -45,23 +44,20 @@ class CommonAttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """An attention implementation over a paged KV cache."""
+    """An attention implementation over a paged KV cache.
+
+    The forward call depends on the attention kind: GQA backends implement
+    `forward(query, key, value, cache, metadata, scale)`, MLA backends
+    `forward_mla(...)` (see `mrv2.attention.torch_mla`). Models call the one they need.
+    """
 
     name: str
+    kind: str = "gqa"  # "gqa" or "mla": which forward the backend implements
     supported_layouts: tuple[KVLayout, ...] = ("joint", "split")
 
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         """Per-step metadata shared by all layers."""
-
-    @abstractmethod
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                cache: LayerKVCache | None, metadata: Any, scale: float) -> torch.Tensor:
-        """Write key/value into `cache` at the step's slots, then attend.
-
-        query [T, H, D], key [T, Hkv, D], value [T, Hkv, Dv] -> [T, H, Dv].
-        `metadata is None` is a profile run: causal attention over the tokens, no cache.
-        """
 
     # -- graph-capture hooks (called by the graph manager, never by the runner) --
 

@@ -84,6 +84,11 @@ class TorchPagedAttention(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 cache: LayerKVCache | None, metadata: TorchPagedMetadata | None, scale: float) -> torch.Tensor:
+        """Write key/value into `cache` at the step's slots, then attend.
+
+        query [T, H, D], key [T, Hkv, D], value [T, Hkv, Dv] -> [T, H, Dv].
+        `metadata is None` is a profile run: causal attention over the tokens, no cache.
+        """
         if metadata is None:
             return self._causal(query, key, value, scale)
         num_tokens = metadata.slot_mapping.shape[0]

@@ -3,4 +3,5 @@
 DECODER_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
 )
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = DECODER_ARCHITECTURES
+MLA_ARCHITECTURES: tuple[str, ...] = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = DECODER_ARCHITECTURES + MLA_ARCHITECTURES

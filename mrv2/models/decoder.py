@@ -19,6 +19,7 @@ from mrv2.attention.backend import AttentionBackend
 from mrv2.layers.linear import Linear
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.rotary import RopeConfig, RotaryEmbedding
+from mrv2.models.weights import load_hf_weights
 from mrv2.runner.kv_cache import KVCacheSpec, LayerKVCache
 
 
@@ -62,6 +63,8 @@ class DecoderConfig:
 class Attention(nn.Module):
     """Self-attention over the paged KV cache, through the attention backend."""
 
+    hf_fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+
     def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
                  dtype: torch.dtype) -> None:
         super().__init__()
@@ -90,10 +93,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward with a fused gate/up projection."""
 
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype) -> None:
+    hf_fused = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, [cfg.hidden_size], cfg.mlp_bias, dtype)
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, bias, dtype)
+        self.down_proj = Linear(intermediate_size, [hidden_size], bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -109,7 +114,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, backend, rotary, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,43 +171,4 @@ class DecoderForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raise if any parameter is left unset or a name is unknown."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue
-            name = name.removeprefix("model.")
-            if name == "lm_head.weight":
-                if self.config.tie_word_embeddings:
-                    continue
-                name = "lm_head_weight"
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in fused:
-                module_name, shard = fused[parts[-2]]
-                target = ".".join(parts[:-2] + [module_name, parts[-1]])
-                module = self.get_submodule(".".join(parts[:-2] + [module_name]))
-                module.load_shard(params[target], shard, tensor.to(self.dtype))
-                loaded.add(f"{target}#{shard}")
-                continue
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(params[name].shape)}")
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-        expected = set()
-        for name in params:
-            module_name, _, pname = name.rpartition(".")
-            module = self.get_submodule(module_name) if module_name else self
-            if isinstance(module, Linear) and len(module.shard_sizes) > 1:
-                expected.update(f"{name}#{i}" for i in range(len(module.shard_sizes)))
-            else:
-                expected.add(name)
-        if self.config.tie_word_embeddings:
-            expected.discard("lm_head_weight")
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        load_hf_weights(self, weights, tied_lm_head=self.config.tie_word_embeddings)

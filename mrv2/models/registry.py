@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from mrv2.attention.backend import AttentionBackend
-from mrv2.models.architectures import DECODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from mrv2.models.architectures import DECODER_ARCHITECTURES, MLA_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from mrv2.models.decoder import DecoderConfig, DecoderForCausalLM
+from mrv2.loader.errors import UnsupportedArchitectureError
 
 
 def architecture_of(hf_config: Any) -> str:
@@ -19,11 +20,18 @@ def architecture_of(hf_config: Any) -> str:
     return archs[0]
 
 
+def attention_kind(hf_config: Any) -> str:
+    """Which attention backend kind the architecture needs: "gqa" or "mla"."""
+    return "mla" if architecture_of(hf_config) in MLA_ARCHITECTURES else "gqa"
+
+
 def build_model(hf_config: Any, backend: AttentionBackend, dtype: torch.dtype) -> nn.Module:
     """An uninitialised model for `hf_config` (weights are loaded afterwards)."""
     arch = architecture_of(hf_config)
     if arch in DECODER_ARCHITECTURES:
         return DecoderForCausalLM(DecoderConfig.from_hf(hf_config), backend, dtype)
-    from mrv2.loader.errors import UnsupportedArchitectureError
+    if arch in MLA_ARCHITECTURES:
+        from mrv2.models.deepseek import DeepseekConfig, DeepseekForCausalLM
 
+        return DeepseekForCausalLM(DeepseekConfig.from_hf(hf_config), backend, dtype)
     raise UnsupportedArchitectureError(arch, SUPPORTED_ARCHITECTURES)

@@ -18,7 +18,7 @@ import torch
 from mrv2.attention import get_attention_backend
 from mrv2.config import EngineConfig
 from mrv2.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from mrv2.models.registry import build_model
+from mrv2.models.registry import attention_kind, build_model
 from mrv2.platforms import Platform
 from mrv2.runner.block_table import BlockTables
 from mrv2.runner.input_batch import InputBuffers, StepBatch
@@ -52,7 +52,7 @@ class ModelRunner:
         self.max_num_tokens = config.scheduler.max_num_batched_tokens
         pin = platform.pin_memory()
 
-        self.attn_backend = get_attention_backend()
+        self.attn_backend = get_attention_backend(attention_kind(hf_config))
         with torch.device(self.device):
             self.model = build_model(hf_config, self.attn_backend, dtype)
         self.model.load_weights(weights)
