@@ -9,7 +9,10 @@ Two ways to attend, which agree to rounding:
   latent as the value. Reads only the latent cache: used for decodes.
 - up-projected: the group's latents are expanded through kv_b_proj into per-head keys
   and values, then standard attention. Cheaper per query token for long chunks: used
-  for prefill unless `prefill_absorbed` is set (tests compare the two).
+  for prefill.
+
+`prefill_absorbed` / `decode_absorbed` override the choice per group (tests compare the
+two paths, `mrv2 bench mla` times them).
 
 Metadata (decode/prefill groups, block gathers, masks) is the same as the GQA backend's.
 """
@@ -23,14 +26,21 @@ from mrv2.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata, 
 from mrv2.runner.kv_cache import LayerKVCache
 
 
+def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    # SDPA would fall back to its unfused math path here (value dim != query dim), which
+    # copies K/V per head: explicit matmul-softmax-matmul measured several times faster.
+    return torch.softmax(scores.mul_(scale).masked_fill_(~mask, float("-inf")), dim=-1)
+
+
 class TorchMLAAttention(TorchPagedAttention):
     """Reference MLA backend; runs wherever torch runs."""
 
     name = "torch-mla"
     kind = "mla"
 
-    def __init__(self, prefill_absorbed: bool = False) -> None:
+    def __init__(self, prefill_absorbed: bool = False, decode_absorbed: bool = True) -> None:
         self.prefill_absorbed = prefill_absorbed
+        self.decode_absorbed = decode_absorbed
 
     def forward_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                     w_kv_b: torch.Tensor, cache: LayerKVCache | None, metadata: TorchPagedMetadata | None,
@@ -50,7 +60,8 @@ class TorchMLAAttention(TorchPagedAttention):
         if metadata.decode is not None:
             g = metadata.decode
             n = g.num_rows
-            out[:n] = self._absorbed(q_nope[:n, :, None], q_pe[:n, :, None], cache, g, w_kv_b, scale)[:, :, 0]
+            fn = self._absorbed if self.decode_absorbed else self._up_projected
+            out[:n] = fn(q_nope[:n, :, None], q_pe[:n, :, None], cache, g, w_kv_b, scale)[:, :, 0]
         if metadata.prefill is not None:
             g = metadata.prefill
             qn, qp = q_nope[g.query_index].transpose(1, 2), q_pe[g.query_index].transpose(1, 2)  # [P, H, Lq, *]
@@ -77,8 +88,12 @@ class TorchMLAAttention(TorchPagedAttention):
         q_latent = torch.einsum("rhqn,hnl->rhql", q_nope, w_uk)
         q = torch.cat([q_latent, q_pe], dim=-1)  # [R, H, Lq, kv_lora + rope]
         latent, rope = self._gather_latent(cache, g)
-        k = torch.cat([latent, rope], dim=-1)[:, None]  # one shared key head
-        o = F.scaled_dot_product_attention(q, k, latent[:, None], attn_mask=g.mask, scale=scale, enable_gqa=True)
+        k = torch.cat([latent, rope], dim=-1)  # one key head shared by all query heads
+        r, h, lq, d = q.shape
+        # All heads' queries against the one key head: a single batched matmul, no K/V copies per head.
+        scores = torch.matmul(q.reshape(r, h * lq, d), k.transpose(1, 2)).view(r, h, lq, -1)
+        probs = _masked_softmax(scores, g.mask, scale)
+        o = torch.matmul(probs.view(r, h * lq, -1), latent).view(r, h, lq, -1)
         return torch.einsum("rhql,hvl->rhqv", o, w_uv)
 
     def _up_projected(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LayerKVCache, g: _Group,
@@ -86,7 +101,7 @@ class TorchMLAAttention(TorchPagedAttention):
         latent, rope = self._gather_latent(cache, g)
         k, v = self._expand(latent, rope, w_kv_b, q_nope.shape[-1])
         q = torch.cat([q_nope, q_pe], dim=-1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+        return torch.matmul(_masked_softmax(torch.matmul(q, k.transpose(-1, -2)), g.mask, scale), v)
 
     @staticmethod
     def _expand(latent: torch.Tensor, rope: torch.Tensor, w_kv_b: torch.Tensor,

@@ -171,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_throughput_args(tp)
     add_engine_args(tp)
     tp.set_defaults(func=run_throughput)
+
+    from mrv2.bench.mla import add_args as add_mla_args, run as run_mla
+
+    mla = bench_sub.add_parser("mla", help="MLA KV bytes per token and decode step time, absorbed vs up-projected")
+    add_mla_args(mla)
+    mla.add_argument("--device", default=None)
+    mla.set_defaults(func=run_mla)
     return parser
 
 

@@ -2,22 +2,21 @@
 
 Routing follows transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter in fp32. The routed experts run
 sync-free: the (token, expert) pairs are sorted by expert and each expert's GEMM runs on its contiguous
-segment through `grouped_mm`, with segment ends computed on the device.
+segment through `grouped_mm`, with segment ends computed on the device. (torch runs bf16 grouped_mm as one
+kernel on recent GPUs; its fallback for other dtypes loops over the groups on the host.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mrv2.layers.linear import Linear
+from mrv2.layers.mlp import ACTIVATIONS, GatedMLP
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ class Router(nn.Module):
             # The bias only steers the choice; the weights come from the unbiased scores.
             choice = scores + self.e_score_correction_bias
             choice = choice.masked_fill(~self._group_mask(choice, top2=True), float("-inf"))
-        elif c.topk_method == "group_limited_greedy":
+        elif c.topk_method == "group_limited_greedy":  # group score = its best expert; masked experts score 0
             scores = scores.masked_fill(~self._group_mask(scores, top2=False), 0.0)
             choice = scores
         else:
@@ -103,21 +102,6 @@ class Router(nn.Module):
         if c.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * c.routed_scaling_factor, ids
-
-
-class SwiGLU(nn.Module):
-    """act(x W_gate) * (x W_up) -> W_down, with a fused gate/up projection."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
-                 act: str = "silu") -> None:
-        super().__init__()
-        self.act = ACTIVATIONS[act]
-        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, bias, dtype)
-        self.down_proj = Linear(intermediate_size, [hidden_size], bias, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
 
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -139,7 +123,7 @@ class FusedMoE(nn.Module):
         self.gate = Router(cfg)
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
-        self.shared_experts = (SwiGLU(h, i * cfg.n_shared_experts, cfg.shared_bias, dtype, cfg.hidden_act)
+        self.shared_experts = (GatedMLP(h, i * cfg.n_shared_experts, cfg.shared_bias, dtype, cfg.hidden_act)
                                if cfg.n_shared_experts else None)
         self.register_buffer("expert_ids", torch.arange(e), persistent=False)
         self._expected = self._expected_names()

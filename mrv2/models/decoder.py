@@ -9,17 +9,17 @@ gate/up projections.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mrv2.attention.backend import AttentionBackend
 from mrv2.layers.linear import Linear
+from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.rotary import RopeConfig, RotaryEmbedding
-from mrv2.models.weights import load_hf_weights
+from mrv2.models.base import CausalLM, PreNormBlock
 from mrv2.runner.kv_cache import KVCacheSpec, LayerKVCache
 
 
@@ -40,6 +40,7 @@ class DecoderConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    hidden_act: str
     qk_norm: bool
     tie_word_embeddings: bool
 
@@ -55,7 +56,8 @@ class DecoderConfig:
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
             rms_norm_eps=c.rms_norm_eps, rope=RopeConfig.from_hf(c), max_position=c.max_position_embeddings,
             qkv_bias=is_qwen2 or attention_bias, o_bias=attention_bias and not is_qwen2,
-            mlp_bias=bool(getattr(c, "mlp_bias", False)), qk_norm=arch == "Qwen3ForCausalLM",
+            mlp_bias=bool(getattr(c, "mlp_bias", False)),
+            hidden_act=getattr(c, "hidden_act", "silu"), qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         )
 
@@ -90,85 +92,22 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, -1))
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward with a fused gate/up projection."""
-
-    hf_fused = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, bias, dtype)
-        self.down_proj = Linear(intermediate_size, [hidden_size], bias, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm attention + MLP block."""
-
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
-                 dtype: torch.dtype) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, backend, rotary, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, attn_metadata)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
-class DecoderForCausalLM(nn.Module):
-    """Embeddings, decoder layers, final norm and LM head."""
+class DecoderForCausalLM(CausalLM):
+    """Llama-family decoder: GQA attention + gated MLP in every block."""
 
     def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = cfg
-        self.dtype = dtype
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope, dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary, dtype) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head_weight = self.embed_tokens.weight
-        else:
-            self.lm_head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
-                                               requires_grad=False)
+        self._build([PreNormBlock(cfg.hidden_size, cfg.rms_norm_eps, Attention(cfg, backend, rotary, dtype),
+                                  GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, cfg.hidden_act),
+                                  dtype) for _ in range(cfg.num_layers)], dtype)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         c = self.config
         return [KVCacheSpec.gqa(c.num_kv_heads, c.head_dim, c.head_dim, self.dtype)] * c.num_layers
 
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.layers]
-
     def estimate_activation_bytes(self, num_tokens: int, num_logits: int) -> int:
-        """Live activations of one step, from shapes (for platforms without peak statistics)."""
         c = self.config
         widths = 3 * c.hidden_size + 2 * (c.num_heads + c.num_kv_heads) * c.head_dim + 3 * c.intermediate_size
         return num_tokens * widths * self.dtype.itemsize + num_logits * c.vocab_size * 4
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, attn_metadata)
-        x, _ = self.norm(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; raise if any parameter is left unset or a name is unknown."""
-        load_hf_weights(self, weights, tied_lm_head=self.config.tie_word_embeddings)

@@ -12,16 +12,15 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mrv2.attention.torch_mla import TorchMLAAttention
 from mrv2.layers.linear import Linear
+from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.moe import FusedMoE, MoEConfig
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.rotary import RopeConfig, RotaryEmbedding, hf_rotary_style, yarn_softmax_scale
-from mrv2.models.decoder import MLP
-from mrv2.models.weights import load_hf_weights
+from mrv2.models.base import CausalLM, PreNormBlock
 from mrv2.runner.kv_cache import KVCacheSpec, KVPart, LayerKVCache
 
 
@@ -45,6 +44,7 @@ class DeepseekConfig:
     max_position: int
     attention_bias: bool
     mlp_bias: bool
+    hidden_act: str
     tie_word_embeddings: bool
     first_k_dense_replace: int
     moe_layer_freq: int
@@ -60,6 +60,7 @@ class DeepseekConfig:
             v_head_dim=c.v_head_dim, rms_norm_eps=c.rms_norm_eps, rope=RopeConfig.from_hf(c),
             rotary_style=hf_rotary_style(c), max_position=c.max_position_embeddings,
             attention_bias=bool(getattr(c, "attention_bias", False)), mlp_bias=bool(getattr(c, "mlp_bias", False)),
+            hidden_act=getattr(c, "hidden_act", "silu"),
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             first_k_dense_replace=getattr(c, "first_k_dense_replace", 0) or 0,
             moe_layer_freq=getattr(c, "moe_layer_freq", 1) or 1,
@@ -109,52 +110,21 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.reshape(t, -1))
 
 
-class DeepseekLayer(nn.Module):
-    """Pre-norm MLA + (dense MLP or MoE) block."""
-
-    def __init__(self, cfg: DeepseekConfig, index: int, backend: TorchMLAAttention, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = MLAAttention(cfg, backend, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = (FusedMoE(cfg.moe, dtype) if cfg.is_moe_layer(index)
-                    else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype))
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, attn_metadata)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
-class DeepseekForCausalLM(nn.Module):
-    """DeepSeek-V2 / V3 causal LM."""
+class DeepseekForCausalLM(CausalLM):
+    """DeepSeek-V2 / V3 causal LM: MLA in every block, dense MLP or MoE after it."""
 
     def __init__(self, cfg: DeepseekConfig, backend: TorchMLAAttention, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = cfg
-        self.dtype = dtype
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DeepseekLayer(cfg, i, backend, dtype) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head_weight = self.embed_tokens.weight
-        else:
-            self.lm_head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
-                                               requires_grad=False)
+        self._build([PreNormBlock(cfg.hidden_size, cfg.rms_norm_eps, MLAAttention(cfg, backend, dtype),
+                                  FusedMoE(cfg.moe, dtype) if cfg.is_moe_layer(i) else
+                                  GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, cfg.hidden_act),
+                                  dtype) for i in range(cfg.num_layers)], dtype)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         c = self.config
         spec = KVCacheSpec((KVPart("latent", 1, c.kv_lora_rank), KVPart("rope", 1, c.qk_rope_head_dim)), self.dtype)
         return [spec] * c.num_layers
-
-    def attention_layers(self) -> list[MLAAttention]:
-        return [layer.self_attn for layer in self.layers]
 
     def estimate_activation_bytes(self, num_tokens: int, num_logits: int) -> int:
         c = self.config
@@ -163,22 +133,10 @@ class DeepseekForCausalLM(nn.Module):
         widths = 3 * c.hidden_size + heads + 3 * ffn
         return num_tokens * widths * self.dtype.itemsize + num_logits * c.vocab_size * 4
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, attn_metadata)
-        x, _ = self.norm(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors (experts per expert or stacked); multi-token-prediction layers are skipped."""
+        """As CausalLM's, skipping DeepSeek-V3's multi-token-prediction layers."""
         n = self.config.num_layers
-        weights = ((name, t) for name, t in weights if not _is_mtp_layer(name, n))
-        load_hf_weights(self, weights, tied_lm_head=self.config.tie_word_embeddings)
+        super().load_weights((name, t) for name, t in weights if not _is_mtp_layer(name, n))
 
 
 def _is_mtp_layer(name: str, num_layers: int) -> bool:

@@ -1,0 +1,33 @@
+"""Gated feed-forward (SwiGLU and kin) with a fused gate/up projection."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mrv2.layers.linear import Linear
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class GatedMLP(nn.Module):
+    """down(act(x W_gate) * (x W_up)); HF's gate_proj/up_proj load as shards of `gate_up_proj`."""
+
+    hf_fused = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
+                 act: str = "silu") -> None:
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[act]
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, bias, dtype)
+        self.down_proj = Linear(intermediate_size, [hidden_size], bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
