@@ -61,3 +61,27 @@ class Platform(ABC):
 
     def configure_threads(self) -> None:
         """Set host threading for this device type."""
+
+
+class AcceleratorPlatform(Platform):
+    """A device with a torch.<device_type> module in the CUDA mould (torch.cuda, torch.npu)."""
+
+    @property
+    def _module(self):
+        return getattr(torch, self.device_type)
+
+    def free_memory(self) -> int:
+        free, _total = self._module.mem_get_info()
+        return free
+
+    def reset_peak_memory(self) -> None:
+        self._module.reset_peak_memory_stats()
+
+    def peak_memory(self) -> int:
+        return self._module.max_memory_allocated()
+
+    def synchronize(self) -> None:
+        self._module.synchronize()
+
+    def pin_memory(self) -> bool:
+        return True

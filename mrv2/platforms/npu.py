@@ -11,10 +11,10 @@ import importlib.util
 
 import torch
 
-from mrv2.platforms.interface import Platform
+from mrv2.platforms.interface import AcceleratorPlatform
 
 
-class NpuPlatform(Platform):
+class NpuPlatform(AcceleratorPlatform):
     """Huawei Ascend NPUs through torch_npu."""
 
     name = "npu"
@@ -30,20 +30,4 @@ class NpuPlatform(Platform):
         return torch.npu.is_available()
 
     def supports_native_bf16(self) -> bool:
-        return True
-
-    def free_memory(self) -> int:
-        free, _total = torch.npu.mem_get_info()
-        return free
-
-    def reset_peak_memory(self) -> None:
-        torch.npu.reset_peak_memory_stats()
-
-    def peak_memory(self) -> int:
-        return torch.npu.max_memory_allocated()
-
-    def synchronize(self) -> None:
-        torch.npu.synchronize()
-
-    def pin_memory(self) -> bool:
         return True

@@ -1,0 +1,111 @@
+"""Device check: mrv2 on an accelerator against transformers on the same device.
+
+Run from the repository root (`python tools/gpu_check.py --device cuda`). Builds
+random-weight checkpoints locally (a tiny Llama, tiny DeepSeek-V2/V3, and a Llama with
+SmolLM2-135M's exact shapes: the real weights cannot travel to a lent machine), then for
+each: greedy tokens from mrv2 vs transformers, fp32; and eager decode step times at
+batch 1, 8 and 64 for the SmolLM2-shaped model. Needs only torch, transformers,
+safetensors and numpy; the tokenizer files come from `--tokenizer DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mrv2 import LLM, SamplingParams  # noqa: E402
+
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+               rms_norm_eps=1e-5, tie_word_embeddings=True)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+DEEPSEEK = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                n_group=4, topk_group=2, first_k_dense_replace=1, max_position_embeddings=512)
+
+
+def build(kind: str, folder: Path, tokenizer: Path):
+    import transformers as tf
+
+    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "smollm2-shaped": (tf.LlamaConfig, tf.LlamaForCausalLM),
+           "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
+           "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM)}[kind]
+    kw = {"llama": TINY, "smollm2-shaped": SMOLLM2}.get(kind, DEEPSEEK)
+    torch.manual_seed(0)
+    model = cls[1](cls[0](**kw, bos_token_id=1, eos_token_id=2, pad_token_id=2)).eval()
+    model.save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / f, folder / f)
+    return model
+
+
+def hf_greedy(model, prompt, n, device):
+    ids = torch.tensor([prompt], device=device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def decode_step_ms(llm: LLM, batch: int, context: int = 128, steps: int = 20) -> float:
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(engine.make_request({"prompt_token_ids": rng.integers(3, 500, context).tolist()}, params))
+    for _ in range(3):
+        engine.step()  # prefill and warm-up decodes
+    samples = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        samples.append(time.perf_counter() - t0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return 1e3 * float(np.median(samples))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tokenizer", type=Path, required=True)
+    args = p.parse_args()
+    print(f"torch {torch.__version__}, device {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))
+    root = Path(tempfile.mkdtemp())
+    failures = 0
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 17, 33, 70)]
+    for kind in ("llama", "deepseek_v2", "deepseek_v3", "smollm2-shaped"):
+        folder = root / kind
+        hf = build(kind, folder, args.tokenizer).to(args.device)
+        llm = LLM(model=str(folder), device=args.device, dtype="float32", max_num_batched_tokens=64,
+                  kv_cache_memory=256 << 20)
+        outs = llm.generate([{"prompt_token_ids": q} for q in prompts],
+                            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        with torch.no_grad():
+            refs = [hf_greedy(hf, q, 24, args.device) for q in prompts]
+        same = sum(o.outputs[0].token_ids == r for o, r in zip(outs, refs))
+        whole = llm.engine.scheduler.block_pool.is_whole()
+        failures += same != len(prompts) or not whole
+        print(f"{kind:15s} greedy tokens equal to transformers: {same}/{len(prompts)}; block pool whole: {whole}")
+        if kind == "smollm2-shaped":
+            for batch in (1, 8, 64):
+                print(f"  eager decode step, batch {batch:2d}, context 128: {decode_step_ms(llm, batch):.2f} ms")
+        del llm, hf
+    print("FAIL" if failures else "OK")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
