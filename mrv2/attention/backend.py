@@ -41,6 +41,8 @@ class CommonAttentionMetadata:
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
     block_size: int
+    # Graph replay: size work by max_seq_len (fixed per captured descriptor), never by host maxima.
+    static_shapes: bool = False
 
 
 class AttentionBackend(ABC):

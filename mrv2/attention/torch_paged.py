@@ -58,15 +58,19 @@ class TorchPagedAttention(AttentionBackend):
         nd, n, bs = common.num_decodes, common.num_reqs, common.block_size
         qsl_cpu, seq_cpu = common.query_start_loc_cpu, common.seq_lens_cpu
         decode = prefill = None
+        static = common.static_shapes
         if nd > 0:
-            blocks, num_keys = _blocks(common.block_table[:nd], int(seq_cpu[:nd].max()), bs)
+            max_len = common.max_seq_len if static else int(seq_cpu[:nd].max())
+            blocks, num_keys = _blocks(common.block_table[:nd], max_len, bs)
             j = torch.arange(num_keys, device=blocks.device)
-            mask = j < common.seq_lens[:nd, None]
+            # A padded request (length 0) attends key 0 of the null block, so its softmax is never empty.
+            mask = j < common.seq_lens[:nd, None].clamp(min=1)
             decode = _Group(blocks, nd, num_keys, mask[:, None, None, :])
         if nd < n:
             qlens_cpu = qsl_cpu[nd + 1:n + 1] - qsl_cpu[nd:n]
             max_q = int(qlens_cpu.max())
-            blocks, num_keys = _blocks(common.block_table[nd:n], int(seq_cpu[nd:n].max()), bs)
+            max_len = common.max_seq_len if static else int(seq_cpu[nd:n].max())
+            blocks, num_keys = _blocks(common.block_table[nd:n], max_len, bs)
             seq_lens = common.seq_lens[nd:n].long()
             starts = common.query_start_loc[nd:n].long()
             qlens = common.query_start_loc[nd + 1:n + 1].long() - starts

@@ -18,6 +18,21 @@ from mrv2.runner.block_table import BlockTables
 from mrv2.runner.states import RequestStates
 
 
+@dataclass(frozen=True)
+class StepPadding:
+    """Sizes a captured graph was recorded at: the step is padded up to them.
+
+    Padded tokens read token 0 at position 0 and write their KV into the reserved
+    null block (slot 0); padded requests have sequence length 0 and get the padded
+    tokens in equal shares at the end, so query_start_loc stays non-decreasing.
+    Attention is sized by `max_seq_len`, not by the step's own longest sequence.
+    """
+
+    num_reqs: int
+    num_tokens: int
+    max_seq_len: int
+
+
 @dataclass
 class StepBatch:
     """Views of one step's inputs in the persistent buffers, plus host-side sizes."""
@@ -59,23 +74,28 @@ class InputBuffers:
         self._max_num_reqs = max_num_reqs
 
     def prepare(self, req_ids: list[str], idx_cpu: np.ndarray, num_scheduled_cpu: np.ndarray,
-                states: RequestStates, block_tables: BlockTables) -> StepBatch:
-        """Gather one step's inputs for the requests in batch order `idx_cpu`."""
+                states: RequestStates, block_tables: BlockTables, padding: StepPadding | None = None) -> StepBatch:
+        """Gather one step's inputs for the requests in batch order `idx_cpu` (padded to `padding` if given)."""
         b, r = len(idx_cpu), self._max_num_reqs
-        qsl_cpu = np.zeros(b + 1, dtype=np.int64)
-        np.cumsum(num_scheduled_cpu, out=qsl_cpu[1:])
-        t = int(qsl_cpu[-1])
+        t = int(num_scheduled_cpu.sum())
+        bp, tp = (padding.num_reqs, padding.num_tokens) if padding else (b, t)
+        qsl_cpu = np.zeros(bp + 1, dtype=np.int64)
+        np.cumsum(num_scheduled_cpu, out=qsl_cpu[1:b + 1])
+        if bp > b:
+            qsl_cpu[b + 1:] = t + np.linspace(0, tp - t, bp - b + 1)[1:].astype(np.int64)
         staging = self._staging.numpy()
         staging[:b] = idx_cpu
         staging[r:r + b] = num_scheduled_cpu
-        staging[2 * r:2 * r + b + 1] = qsl_cpu
+        staging[2 * r:2 * r + bp + 1] = qsl_cpu
         dev = self._staging.to(self.device, non_blocking=True)
         self.idx_mapping[:b].copy_(dev[:b])
         self.num_scheduled[:b].copy_(dev[r:r + b])
-        self.query_start_loc[:b + 1].copy_(dev[2 * r:2 * r + b + 1])
+        self.query_start_loc[:bp + 1].copy_(dev[2 * r:2 * r + bp + 1])
 
         idx = self.idx_mapping[:b]
         qsl = self.query_start_loc[:b + 1]
+        if padding:
+            self._fill_padding(b, t, bp, tp)
         tokens = self.arange[:t]
         rows = self.token_rows[:t]
         torch.searchsorted(qsl[1:], tokens, right=True, out=rows)
@@ -85,17 +105,26 @@ class InputBuffers:
         self.input_ids[:t] = states.token_ids[idx[rows], positions]
         torch.add(computed, self.num_scheduled[:b], out=self.seq_lens[:b])
         torch.sub(qsl[1:], 1, out=self.logits_indices[:b])
-        block_table = block_tables.gather(idx, self.block_table)
-        slot_mapping = block_tables.slot_mapping(block_table, rows, positions, self.slot_mapping)
+        block_tables.gather(idx, self.block_table)
+        block_tables.slot_mapping(self.block_table[:b], rows, positions, self.slot_mapping)
 
-        seq_lens_cpu = states.num_computed_cpu[idx_cpu] + num_scheduled_cpu
+        seq_lens_cpu = np.zeros(bp, dtype=np.int64)
+        seq_lens_cpu[:b] = states.num_computed_cpu[idx_cpu] + num_scheduled_cpu
+        query_lens_cpu = np.diff(qsl_cpu)
         attn = CommonAttentionMetadata(
-            num_reqs=b, num_tokens=t, num_decodes=int(np.count_nonzero(num_scheduled_cpu == 1)),
-            max_query_len=int(num_scheduled_cpu.max()), max_seq_len=int(seq_lens_cpu.max()),
-            query_start_loc=qsl, seq_lens=self.seq_lens[:b], block_table=block_table,
-            slot_mapping=slot_mapping, query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu,
-            block_size=block_tables.block_size,
+            num_reqs=bp, num_tokens=tp, num_decodes=int(np.count_nonzero(query_lens_cpu == 1)),
+            max_query_len=int(query_lens_cpu.max()),
+            max_seq_len=padding.max_seq_len if padding else int(seq_lens_cpu.max()),
+            query_start_loc=self.query_start_loc[:bp + 1], seq_lens=self.seq_lens[:bp],
+            block_table=self.block_table[:bp], slot_mapping=self.slot_mapping[:tp], query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu, block_size=block_tables.block_size, static_shapes=padding is not None,
         )
         return StepBatch(req_ids=req_ids, idx_cpu=idx_cpu, num_scheduled_cpu=num_scheduled_cpu, num_tokens=t,
-                         idx_mapping=idx, num_scheduled=self.num_scheduled[:b], input_ids=self.input_ids[:t],
-                         positions=positions, logits_indices=self.logits_indices[:b], attn=attn)
+                         idx_mapping=idx, num_scheduled=self.num_scheduled[:b], input_ids=self.input_ids[:tp],
+                         positions=self.positions[:tp], logits_indices=self.logits_indices[:b], attn=attn)
+
+    def _fill_padding(self, b: int, t: int, bp: int, tp: int) -> None:
+        for buf in (self.input_ids, self.positions, self.slot_mapping):
+            buf[t:tp].zero_()
+        self.seq_lens[b:bp].zero_()
+        self.block_table[b:bp].zero_()

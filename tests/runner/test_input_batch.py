@@ -196,3 +196,44 @@ def test_slot_reuse_with_stale_block_table_row():
     batch = w.prepare(schedule)
     w.check(batch, schedule)
     assert batch.attn.block_table[0, :2].tolist() == new.blocks
+
+
+@pytest.mark.parametrize("padded_reqs", [3, 4, 8])
+def test_padding_to_a_captured_size(padded_reqs):
+    """Padded steps: real rows unchanged, padded tokens write only the null block, shapes static."""
+    from mrv2.attention.torch_paged import TorchPagedAttention
+    from mrv2.runner.input_batch import StepPadding
+    from mrv2.runner.kv_cache import KVCacheSpec, allocate_kv_cache
+
+    w = World(block_size=4, seed=11)
+    for i, (n, blocks) in enumerate([(9, 3), (5, 2), (13, 4)]):
+        w.add(f"r{i}", n, n - 1, blocks)  # three decodes
+    w.states.apply_staged()
+    w.tables.apply_staged()
+    ids = list(w.reqs)
+    idx = np.array([w.reqs[r].slot for r in ids])
+    sched = np.ones(3, dtype=np.int64)
+    spec = KVCacheSpec.gqa(2, 8, 8, torch.float32)
+    backend = TorchPagedAttention()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(padded_reqs, n, 8, generator=g) for n in (4, 2, 2))
+
+    def run(padding):
+        cache = allocate_kv_cache([spec], "split", 200, 4, 64, CPU)
+        cache.raw.zero_()
+        batch = w.inputs.prepare(ids, idx, sched, w.states, w.tables, padding)
+        out = backend.forward(q[:batch.input_ids.shape[0]], k[:batch.input_ids.shape[0]],
+                              v[:batch.input_ids.shape[0]], cache.layers[0], backend.build_metadata(batch.attn), 0.5)
+        return batch, out, cache.layers[0]
+
+    eager, out_eager, cache_eager = run(None)
+    padded, out_padded, cache_padded = run(StepPadding(padded_reqs, padded_reqs, MAX_LEN))
+    assert padded.input_ids.shape[0] == padded_reqs and padded.attn.num_reqs == padded_reqs
+    assert padded.attn.num_decodes == padded_reqs and padded.attn.static_shapes
+    torch.testing.assert_close(out_padded[:3], out_eager)
+    assert torch.isfinite(out_padded).all()
+    qsl = padded.attn.query_start_loc.tolist()
+    assert qsl == sorted(qsl) and qsl[-1] == padded_reqs
+    assert padded.attn.seq_lens[3:].eq(0).all() and padded.attn.slot_mapping[3:].eq(0).all()
+    for name in ("k", "v"):  # outside the null block, the caches hold exactly the same writes
+        torch.testing.assert_close(cache_padded[name][1:], cache_eager[name][1:])
