@@ -7,6 +7,7 @@ resolved once by `EngineConfig.resolve` and never change afterwards.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -90,6 +91,56 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
 
 
+class GraphMode(enum.Enum):
+    """What a captured graph holds: nothing (eager), the layers between attention, or all."""
+
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL = "full"
+
+
+def default_capture_sizes(max_size: int) -> list[int]:
+    """1, 2, 4, then every multiple of 8 up to `max_size`, and `max_size` itself."""
+    if max_size <= 0:
+        raise ValueError(f"max_size must be positive, got {max_size}")
+    sizes = {s for s in (1, 2, 4) if s <= max_size} | set(range(8, max_size + 1, 8)) | {max_size}
+    return sorted(sizes)
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """Graph capture settings.
+
+    `capture_sizes` count requests in FULL mode and tokens in PIECEWISE mode; None
+    means `default_capture_sizes(max_capture_size)`.
+    """
+
+    mode: GraphMode = GraphMode.FULL
+    capture_sizes: tuple[int, ...] | None = None
+    max_capture_size: int = 64
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, GraphMode):
+            raise ValueError(f"mode must be a GraphMode, got {self.mode!r}")
+        if self.max_capture_size <= 0:
+            raise ValueError(f"max_capture_size must be positive, got {self.max_capture_size}")
+        if self.capture_sizes is not None:
+            sizes = self.capture_sizes
+            if not isinstance(sizes, tuple) or not sizes:
+                raise ValueError(f"capture_sizes must be a non-empty tuple, got {sizes!r}")
+            if any(not isinstance(s, int) or s <= 0 for s in sizes):
+                raise ValueError(f"capture_sizes must be positive integers, got {sizes}")
+            if len(set(sizes)) != len(sizes):
+                raise ValueError(f"capture_sizes must be distinct, got {sizes}")
+
+    @property
+    def sizes(self) -> list[int]:
+        """The capture sizes, ascending."""
+        if self.capture_sizes is None:
+            return default_capture_sizes(self.max_capture_size)
+        return sorted(self.capture_sizes)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine is built from."""
@@ -97,7 +148,9 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    enforce_eager: bool = False
+    # None: the platform's default (FULL graphs where the platform captures graphs, eager on CPU).
+    graph: GraphConfig | None = None
+    enforce_eager: bool = False  # as in vLLM: no graphs at all, whatever `graph` says
     device: str | None = None  # None: the best platform available
 
     def with_max_model_len(self, max_model_len: int) -> "EngineConfig":

@@ -3,8 +3,8 @@
 Run from the repository root (`python tools/gpu_check.py --device cuda`). Builds
 random-weight checkpoints locally (a tiny Llama, tiny DeepSeek-V2/V3, and a Llama with
 SmolLM2-135M's exact shapes: the real weights cannot travel to a lent machine), then for
-each: greedy tokens from mrv2 vs transformers, fp32; and eager decode step times at
-batch 1, 8 and 64 for the SmolLM2-shaped model. Needs only torch, transformers,
+each, eager and with FULL decode graphs: greedy tokens from mrv2 vs transformers, fp32;
+and eager vs graph decode step times at batch 1, 8 and 64 for the SmolLM2-shaped model. Needs only torch, transformers,
 safetensors and numpy; the tokenizer files come from `--tokenizer DIR`.
 """
 
@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mrv2 import LLM, SamplingParams  # noqa: E402
+from mrv2.bench.decode import decode_step_ms  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
@@ -57,24 +58,6 @@ def hf_greedy(model, prompt, n, device):
     return out[0, len(prompt):].tolist()
 
 
-def decode_step_ms(llm: LLM, batch: int, context: int = 128, steps: int = 20) -> float:
-    engine = llm.engine
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(engine.make_request({"prompt_token_ids": rng.integers(3, 500, context).tolist()}, params))
-    for _ in range(3):
-        engine.step()  # prefill and warm-up decodes
-    samples = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        samples.append(time.perf_counter() - t0)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return 1e3 * float(np.median(samples))
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda")
@@ -89,20 +72,27 @@ def main() -> int:
     for kind in ("llama", "deepseek_v2", "deepseek_v3", "smollm2-shaped"):
         folder = root / kind
         hf = build(kind, folder, args.tokenizer).to(args.device)
-        llm = LLM(model=str(folder), device=args.device, dtype="float32", max_num_batched_tokens=64,
-                  kv_cache_memory=256 << 20)
-        outs = llm.generate([{"prompt_token_ids": q} for q in prompts],
-                            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         with torch.no_grad():
             refs = [hf_greedy(hf, q, 24, args.device) for q in prompts]
-        same = sum(o.outputs[0].token_ids == r for o, r in zip(outs, refs))
-        whole = llm.engine.scheduler.block_pool.is_whole()
-        failures += same != len(prompts) or not whole
-        print(f"{kind:15s} greedy tokens equal to transformers: {same}/{len(prompts)}; block pool whole: {whole}")
+        engines = {}
+        for name, kw in (("eager", {"enforce_eager": True}), ("graphs", {"graph_mode": "full"})):
+            llm = engines[name] = LLM(model=str(folder), device=args.device, dtype="float32",
+                                      max_num_batched_tokens=256, max_model_len=512, max_num_seqs=64,
+                                      kv_cache_memory=512 << 20, **kw)
+            outs = llm.generate([{"prompt_token_ids": q} for q in prompts],
+                                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+            same = sum(o.outputs[0].token_ids == r for o, r in zip(outs, refs))
+            whole = llm.engine.scheduler.block_pool.is_whole()
+            replays = llm.engine.runner.graphs.num_replays if llm.engine.runner.graphs else 0
+            failures += same != len(prompts) or not whole
+            print(f"{kind:15s} {name:6s} greedy tokens equal to transformers: {same}/{len(prompts)}; "
+                  f"block pool whole: {whole}; graph replays: {replays}")
         if kind == "smollm2-shaped":
             for batch in (1, 8, 64):
-                print(f"  eager decode step, batch {batch:2d}, context 128: {decode_step_ms(llm, batch):.2f} ms")
-        del llm, hf
+                e, g = (decode_step_ms(engines[n], batch, 128, 20) for n in ("eager", "graphs"))
+                print(f"  decode step, batch {batch:2d}, context 128: eager {e:.2f} ms, graphs {g:.2f} ms "
+                      f"({e / g:.2f}x)")
+        del engines, hf
     print("FAIL" if failures else "OK")
     return 1 if failures else 0
 

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from mrv2.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from mrv2.config import CacheConfig, EngineConfig, GraphConfig, GraphMode, ModelConfig, SchedulerConfig
 from mrv2.engine.llm_engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
 from mrv2.sampling_params import SamplingParams
 
 Prompt = str | dict[str, Any]
+
+
+def _graph_mode(name: str | None) -> GraphMode:
+    if name is None:
+        return GraphMode.FULL
+    try:
+        return GraphMode(name.lower())
+    except ValueError:
+        raise ValueError(f"graph_mode must be one of {[m.value for m in GraphMode]}, got {name!r}") from None
 Message = dict[str, Any]
 
 
@@ -18,7 +27,9 @@ class LLM:
 
     `model` is an HF checkpoint folder or a GGUF file; None runs the embedded
     SmolLM2-135M-Instruct. The KV cache takes `kv_cache_memory` bytes when given,
-    else `kv_cache_memory_fraction` of the free device memory.
+    else `kv_cache_memory_fraction` of the free device memory. `graph_mode` ("none",
+    "full"; default: the platform's, FULL decode graphs on CUDA/NPU, none on CPU) and
+    `graph_capture_sizes` (request counts) set graph capture; `enforce_eager` turns it off.
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
@@ -26,7 +37,8 @@ class LLM:
                  kv_cache_memory: int | None = None, kv_cache_memory_fraction: float = 0.5,
                  block_size: int = 16, kv_cache_layout: str = "joint", kv_transfer: bool = False,
                  enable_chunked_prefill: bool = True, enforce_eager: bool = False, seed: int = 0,
-                 device: str | None = None) -> None:
+                 device: str | None = None, graph_mode: str | None = None,
+                 graph_capture_sizes: Sequence[int] | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
@@ -34,6 +46,9 @@ class LLM:
                               kv_transfer=kv_transfer),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill),
+            graph=None if graph_mode is None and graph_capture_sizes is None else GraphConfig(
+                mode=_graph_mode(graph_mode),
+                capture_sizes=tuple(graph_capture_sizes) if graph_capture_sizes is not None else None),
             enforce_eager=enforce_eager, device=device,
         )
         self.engine = LLMEngine(config)

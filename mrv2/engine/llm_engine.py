@@ -68,6 +68,7 @@ class LLMEngine:
         num_blocks = self._plan_kv_cache()
         alignment = config.cache.base_alignment(self.platform.kv_alignment)
         kv = self.runner.initialize_kv_cache(num_blocks, alignment)
+        self.runner.capture_graphs()
         self.scheduler = Scheduler(config.scheduler, config.cache.block_size, num_blocks, max_model_len)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s layout, %d B aligned); max concurrency "
                     "%.1f requests of %d tokens; ready in %.1f s", num_blocks, config.cache.block_size,

@@ -178,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_mla_args(mla)
     mla.add_argument("--device", default=None)
     mla.set_defaults(func=run_mla)
+
+    from mrv2.bench.decode import add_args as add_decode_args, run as run_decode
+
+    dec = bench_sub.add_parser("decode", help="decode step time, eager vs the graph path, at several batch sizes")
+    add_decode_args(dec)
+    add_engine_args(dec)
+    dec.set_defaults(func=run_decode)
     return parser
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mrv2.platforms.graphs import CudaGraphBackend, GraphBackend
 from mrv2.platforms.interface import AcceleratorPlatform
 
 
@@ -19,3 +20,6 @@ class CudaPlatform(AcceleratorPlatform):
 
     def supports_native_bf16(self) -> bool:
         return torch.cuda.is_bf16_supported()
+
+    def graph_backend(self) -> GraphBackend:
+        return CudaGraphBackend()

@@ -6,6 +6,10 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from mrv2.config import GraphConfig, GraphMode
+
+from mrv2.platforms.graphs import EagerGraphBackend, GraphBackend
+
 
 class Platform(ABC):
     """One device type. Only `mrv2.platforms` names a device; the rest asks this object."""
@@ -61,6 +65,14 @@ class Platform(ABC):
 
     def configure_threads(self) -> None:
         """Set host threading for this device type."""
+
+    def graph_backend(self) -> GraphBackend:
+        """How this device records and replays forwards (eager re-runs where it has no graphs)."""
+        return EagerGraphBackend()
+
+    def default_graph_config(self) -> GraphConfig:
+        """Graph settings when the user gives none: FULL decode graphs where the device captures graphs."""
+        return GraphConfig(mode=GraphMode.FULL)
 
 
 class AcceleratorPlatform(Platform):

@@ -11,6 +11,7 @@ import importlib.util
 
 import torch
 
+from mrv2.platforms.graphs import GraphBackend, NpuGraphBackend
 from mrv2.platforms.interface import AcceleratorPlatform
 
 
@@ -31,3 +32,6 @@ class NpuPlatform(AcceleratorPlatform):
 
     def supports_native_bf16(self) -> bool:
         return True
+
+    def graph_backend(self) -> GraphBackend:
+        return NpuGraphBackend()

@@ -15,6 +15,7 @@ import torch
 
 from mrv2.attention.backend import CommonAttentionMetadata
 from mrv2.runner.block_table import BlockTables
+from mrv2.runner.graphs.descriptor import pad_query_start_loc
 from mrv2.runner.states import RequestStates
 
 
@@ -79,10 +80,10 @@ class InputBuffers:
         b, r = len(idx_cpu), self._max_num_reqs
         t = int(num_scheduled_cpu.sum())
         bp, tp = (padding.num_reqs, padding.num_tokens) if padding else (b, t)
-        qsl_cpu = np.zeros(bp + 1, dtype=np.int64)
-        np.cumsum(num_scheduled_cpu, out=qsl_cpu[1:b + 1])
+        qsl_cpu = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(num_scheduled_cpu, out=qsl_cpu[1:])
         if bp > b:
-            qsl_cpu[b + 1:] = t + np.linspace(0, tp - t, bp - b + 1)[1:].astype(np.int64)
+            qsl_cpu = pad_query_start_loc(qsl_cpu, b, bp, tp)
         staging = self._staging.numpy()
         staging[:b] = idx_cpu
         staging[r:r + b] = num_scheduled_cpu
@@ -111,8 +112,9 @@ class InputBuffers:
         seq_lens_cpu = np.zeros(bp, dtype=np.int64)
         seq_lens_cpu[:b] = states.num_computed_cpu[idx_cpu] + num_scheduled_cpu
         query_lens_cpu = np.diff(qsl_cpu)
+        not_decode = np.flatnonzero(query_lens_cpu != 1)  # decodes lead the batch
         attn = CommonAttentionMetadata(
-            num_reqs=bp, num_tokens=tp, num_decodes=int(np.count_nonzero(query_lens_cpu == 1)),
+            num_reqs=bp, num_tokens=tp, num_decodes=int(not_decode[0]) if not_decode.size else bp,
             max_query_len=int(query_lens_cpu.max()),
             max_seq_len=padding.max_seq_len if padding else int(seq_lens_cpu.max()),
             query_start_loc=self.query_start_loc[:bp + 1], seq_lens=self.seq_lens[:bp],

@@ -16,11 +16,12 @@ import numpy as np
 import torch
 
 from mrv2.attention import get_attention_backend
-from mrv2.config import EngineConfig
+from mrv2.config import EngineConfig, GraphMode
 from mrv2.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from mrv2.models.registry import attention_kind, build_model
 from mrv2.platforms import Platform
 from mrv2.runner.block_table import BlockTables
+from mrv2.runner.graphs.model_graphs import ModelGraphs
 from mrv2.runner.input_batch import InputBuffers, StepBatch
 from mrv2.runner.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
 from mrv2.runner.states import RequestStates
@@ -63,6 +64,12 @@ class ModelRunner:
         self.block_tables = BlockTables(self.max_num_reqs, max_blocks, self.block_size, self.device, pin)
         self.inputs = InputBuffers(self.max_num_reqs, self.max_num_tokens, max_blocks, self.device, pin)
         self.sampler = Sampler()
+        self.graphs: ModelGraphs | None = None
+        graph_config = config.graph or platform.default_graph_config()
+        if not config.enforce_eager and graph_config.mode is not GraphMode.NONE:
+            self.graphs = ModelGraphs(graph_config, platform.graph_backend(), self.model, self.attn_backend,
+                                      self.inputs, self.max_num_reqs, self.max_num_tokens, self.max_model_len,
+                                      self.block_size)
         self.kv_cache: KVCache | None = None
         self._pending: _PendingStep | None = None
         self.timing = StepTiming()
@@ -104,6 +111,11 @@ class ModelRunner:
         self.kv_cache.ensure_initialized([0])  # block 0 takes padding reads and writes
         return self.kv_cache
 
+    def capture_graphs(self) -> None:
+        """Capture every graph descriptor (after the KV cache exists); a no-op when running eagerly."""
+        if self.graphs is not None:
+            self.graphs.capture()
+
     # -- the step --
 
     def _apply_scheduler_diffs(self, sched: SchedulerOutput) -> None:
@@ -142,10 +154,14 @@ class ModelRunner:
                 self._pending = None
                 return
             req_ids, idx, num_scheduled = self._batch_order(sched)
-            batch = self.inputs.prepare(req_ids, idx, num_scheduled, self.states, self.block_tables)
-            attn_metadata = self.attn_backend.build_metadata(batch.attn)
+            desc, padding = self.graphs.plan(num_scheduled) if self.graphs else (None, None)
+            batch = self.inputs.prepare(req_ids, idx, num_scheduled, self.states, self.block_tables, padding)
+            attn_metadata = None if desc else self.attn_backend.build_metadata(batch.attn)
         with self.timing.phase("forward"):
-            hidden = self.model(batch.input_ids, batch.positions, attn_metadata)
+            if desc:
+                hidden = self.graphs.run(desc, batch.attn)
+            else:
+                hidden = self.model(batch.input_ids, batch.positions, attn_metadata)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         self._pending = _PendingStep(batch, logits)
         self.timing.steps += 1

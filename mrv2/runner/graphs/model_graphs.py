@@ -1,0 +1,71 @@
+"""The target model's graphs: dispatch, padding sizes, capture and replay over the runner's buffers.
+
+FULL graphs of uniform decode steps hold the whole forward, attention metadata
+included: `build_metadata` runs inside the captured callable over the persistent
+buffers, sized by `max_model_len` (static shapes), so a replay recomputes masks and
+gather indices from whatever the step wrote into the buffers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from mrv2.attention.backend import AttentionBackend, CommonAttentionMetadata
+from mrv2.config import GraphConfig, GraphMode
+from mrv2.platforms.graphs import GraphBackend
+from mrv2.runner.graphs.descriptor import BatchDescriptor, GraphDispatcher
+from mrv2.runner.graphs.manager import GraphInputs, GraphManager
+from mrv2.runner.input_batch import InputBuffers, StepPadding
+
+_GRAPH_INPUTS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table")
+
+
+class ModelGraphs:
+    """Captured FULL decode graphs of one model, keyed by batch descriptor."""
+
+    def __init__(self, config: GraphConfig, graph_backend: GraphBackend, model: nn.Module,
+                 attn_backend: AttentionBackend, inputs: InputBuffers, max_num_reqs: int, max_num_tokens: int,
+                 max_model_len: int, block_size: int) -> None:
+        if config.mode is GraphMode.PIECEWISE:
+            raise ValueError("graph mode PIECEWISE is not implemented yet; use FULL or NONE")
+        self.model, self.attn_backend, self.inputs = model, attn_backend, inputs
+        self.block_size = block_size
+        # Attention in a graph is sized for the longest possible sequence, rounded to whole blocks.
+        self.max_seq_len = -(-max_model_len // block_size) * block_size
+        self.dispatcher = GraphDispatcher(config, max_num_reqs, max_num_tokens)
+        self.manager = GraphManager(graph_backend, GraphInputs.of(inputs, _GRAPH_INPUTS), self._static_metadata,
+                                    self._forward, [attn_backend])
+        self.num_replays = 0
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.manager.capture(self.dispatcher.descriptors)
+
+    def plan(self, num_scheduled: np.ndarray) -> tuple[BatchDescriptor | None, StepPadding | None]:
+        """The captured descriptor this step replays and the padding it needs; (None, None) for eager."""
+        q = int(num_scheduled[0])
+        uniform = q if (num_scheduled == q).all() else 0
+        desc = self.dispatcher.dispatch(int(num_scheduled.sum()), len(num_scheduled), uniform)
+        if desc.mode is GraphMode.NONE or not self.manager.has(desc):
+            return None, None
+        return desc, StepPadding(desc.num_reqs, desc.num_tokens, self.max_seq_len)
+
+    def run(self, desc: BatchDescriptor, common: CommonAttentionMetadata) -> torch.Tensor:
+        self.num_replays += 1
+        return self.manager.replay(desc, common)
+
+    def _static_metadata(self, desc: BatchDescriptor) -> CommonAttentionMetadata:
+        b, t, q = desc.num_reqs, desc.num_tokens, desc.uniform_decode_len
+        buf = self.inputs
+        return CommonAttentionMetadata(
+            num_reqs=b, num_tokens=t, num_decodes=b if q == 1 else 0, max_query_len=q, max_seq_len=self.max_seq_len,
+            query_start_loc=buf.query_start_loc[:b + 1], seq_lens=buf.seq_lens[:b], block_table=buf.block_table[:b],
+            slot_mapping=buf.slot_mapping[:t], query_start_loc_cpu=np.arange(b + 1) * q,
+            seq_lens_cpu=np.full(b, self.max_seq_len), block_size=self.block_size, static_shapes=True)
+
+    def _forward(self, desc: BatchDescriptor, common: CommonAttentionMetadata) -> torch.Tensor:
+        t = desc.num_tokens
+        metadata = self.attn_backend.build_metadata(common)  # inside the graph: replays recompute it
+        return self.model(self.inputs.input_ids[:t], self.inputs.positions[:t], metadata)

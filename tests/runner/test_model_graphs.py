@@ -1,0 +1,55 @@
+"""The graph path on the default model: same tokens as eager, for batches that hit and miss captured sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from mrv2 import LLM, SamplingParams
+from mrv2.config import GraphMode
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,", "Water boils at",
+           "The three primary colors are", "Translate to French: good morning", "Overfitting means",
+           "The largest planet is", "import numpy as np", "Dear Sir or Madam,", "Roses are red,"]
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return LLM(max_model_len=256, max_num_seqs=16, kv_cache_memory=64 << 20, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def graphed():
+    return LLM(max_model_len=256, max_num_seqs=16, kv_cache_memory=64 << 20, graph_mode="full",
+               graph_capture_sizes=[1, 2, 4, 8])
+
+
+def test_eager_builds_no_graphs(eager):
+    assert eager.engine.runner.graphs is None
+
+
+def test_cpu_default_is_eager():
+    from mrv2.platforms import get_platform
+
+    assert get_platform("cpu").default_graph_config().mode is GraphMode.NONE
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4, 5, 8, 12])  # hits (1, 4, 8), padded (3, 5), above the largest (12)
+def test_graph_path_gives_eager_tokens(eager, graphed, batch):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    graphs = graphed.engine.runner.graphs
+    assert [d.num_reqs for d in graphs.manager.descriptors] == [8, 4, 2, 1]
+    before = graphs.num_replays
+    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS[:batch], params)]
+    got = [o.outputs[0].token_ids for o in graphed.generate(PROMPTS[:batch], params)]
+    assert got == want
+    replays = graphs.num_replays - before
+    assert replays == (0 if batch > 8 else 11)  # every decode step (12 tokens: 1 prefill + 11 decodes)
+    assert graphed.engine.scheduler.block_pool.is_whole()
+
+
+def test_padded_writes_leave_requests_intact(graphed):
+    """Three requests padded to four: the padded row writes the null block, never a request's blocks."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    a = [o.outputs[0].token_ids for o in graphed.generate(PROMPTS[:3], params)]
+    b = [o.outputs[0].token_ids for o in graphed.generate(PROMPTS[:3], params)]
+    assert a == b
