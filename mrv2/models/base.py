@@ -81,8 +81,15 @@ class CausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
+        """fp32 logits [rows, vocab]; `chunk_rows` splits the LM head by vocabulary rows (see Platform)."""
+        if chunk_rows is None or chunk_rows >= self.lm_head_weight.shape[0]:
+            return F.linear(hidden, self.lm_head_weight).float()
+        out = hidden.new_empty(hidden.shape[0], self.lm_head_weight.shape[0])
+        for start in range(0, out.shape[1], chunk_rows):
+            w = self.lm_head_weight[start:start + chunk_rows]
+            torch.mm(hidden, w.t(), out=out[:, start:start + w.shape[0]])
+        return out.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raise if any parameter is left unset or a name is unknown."""

@@ -40,6 +40,9 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     kv_alignment = 64  # a cache line
     measures_peak_memory = False
+    # A 49152 x 576 LM head measured 13% (64 rows) to 30% (8 rows) faster in 2048-row GEMMs
+    # than in one, whose weight panel spills the caches.
+    logits_chunk_rows = 2048
 
     def is_available(self) -> bool:
         return True

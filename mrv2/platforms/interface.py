@@ -21,6 +21,8 @@ class Platform(ABC):
     # Whether a profile run's peak memory can be measured (device allocators keep peak
     # statistics; host RSS cannot be attributed to one forward pass).
     measures_peak_memory: bool = True
+    # Vocabulary rows per LM-head GEMM (None: one GEMM).
+    logits_chunk_rows: int | None = None
 
     @property
     def device(self) -> torch.device:

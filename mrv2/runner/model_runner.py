@@ -162,7 +162,7 @@ class ModelRunner:
                 hidden = self.graphs.run(desc, batch.attn)
             else:
                 hidden = self.model(batch.input_ids, batch.positions, attn_metadata)
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            logits = self.model.compute_logits(hidden[batch.logits_indices], self.platform.logits_chunk_rows)
         self._pending = _PendingStep(batch, logits)
         self.timing.steps += 1
 
