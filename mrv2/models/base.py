@@ -2,11 +2,19 @@
 
 A model provides its attention and feed-forward modules and its KV-cache spec; the
 embedding, residual stream, final norm, LM head and weight loading are here once.
+
+The forward is a chain of segments split at attention calls: segment i runs from
+attention call i-1 (or the embedding) to the inputs of attention call i (or the final
+norm). Attention modules therefore come in three parts, `project` (positions, hidden
+-> token-major attention inputs, rotary included), `attend` (inputs, metadata ->
+output; the only part that reads or writes the KV cache) and `output`. The eager
+forward runs the chain with attention inline; piecewise graphs capture each segment
+and run attention eagerly between them (`mrv2.runner.graphs.piecewise`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +25,24 @@ from mrv2.models.weights import load_hf_weights
 from mrv2.runner.kv_cache import KVCacheSpec
 
 
+class SplitAttention(Protocol):
+    """An attention module in the three parts segments are cut between."""
+
+    def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Token-major attention inputs (queries, keys, values or their MLA parts)."""
+
+    def attend(self, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor:
+        """Write the step's KV into the cache and attend; [tokens, ...] output."""
+
+    def output(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """The output projection back to the hidden size."""
+
+
 class PreNormBlock(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(.)), with the residual add fused into the norms."""
+    """x + attn(norm(x)), then + mlp(norm(.)), with the residual add fused into the norms.
+
+    `self_attn` implements `SplitAttention`; `start` runs up to its inputs, `finish` from its output on.
+    """
 
     def __init__(self, hidden_size: int, eps: float, self_attn: nn.Module, mlp: nn.Module,
                  dtype: torch.dtype) -> None:
@@ -28,14 +52,16 @@ class PreNormBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype)
         self.mlp = mlp
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def start(self, positions: torch.Tensor, x: torch.Tensor,
+              residual: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, attn_metadata)
-        x, residual = self.post_attention_layernorm(x, residual)
+        return self.self_attn.project(positions, x), residual
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.post_attention_layernorm(self.self_attn.output(attn_out), residual)
         return self.mlp(x), residual
 
 
@@ -73,13 +99,35 @@ class CausalLM(nn.Module):
         """The modules the runner binds KV-cache views to (`.kv_cache`), one per cache spec."""
         return [layer.self_attn for layer in self.layers]
 
+    @property
+    def num_attention_calls(self) -> int:
+        return len(self.layers)
+
+    def segment(self, i: int, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None) -> Any:
+        """The work between attention calls i-1 and i.
+
+        Segment 0 takes the input ids as `x`; segment i > 0 takes attention output
+        i-1 and the residual. Segments before the last return (attention inputs of
+        call i, residual); the last (i == num_attention_calls) returns the final hidden states.
+        """
+        if i == 0:
+            x = self.embed_tokens(x)
+        else:
+            x, residual = self.layers[i - 1].finish(x, residual)
+        if i == len(self.layers):
+            return self.norm(x, residual)[0]
+        return self.layers[i].start(positions, x, residual)
+
+    def attend(self, i: int, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor:
+        """Attention call i over the KV cache (`attn_metadata` None: causal over the tokens, no cache)."""
+        return self.layers[i].self_attn.attend(inputs, attn_metadata)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, attn_metadata)
-        x, _ = self.norm(x, residual)
-        return x
+        x, residual = input_ids, None
+        for i in range(self.num_attention_calls):
+            inputs, residual = self.segment(i, positions, x, residual)
+            x = self.attend(i, inputs, attn_metadata)
+        return self.segment(self.num_attention_calls, positions, x, residual)
 
     def compute_logits(self, hidden: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
         """fp32 logits [rows, vocab]; `chunk_rows` splits the LM head by vocabulary rows (see Platform)."""

@@ -81,15 +81,21 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.kv_cache: LayerKVCache | None = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries [T, H, D] and keys [T, Hkv, D], values [T, Hkv, D]."""
         t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, h + 2 * hkv, self.head_dim)
         qk, v = qkv[:, :h + hkv], qkv[:, h + hkv:]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
         q, k = self.rotary(positions, qk).split([h, hkv], dim=1)  # one rotation for queries and keys
-        out = self.backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return q, k, v
+
+    def attend(self, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor:
+        return self.backend.forward(*inputs, self.kv_cache, attn_metadata, self.scale)
+
+    def output(self, attn_out: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
 
 
 class DecoderForCausalLM(CausalLM):

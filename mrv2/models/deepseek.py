@@ -94,7 +94,8 @@ class MLAAttention(nn.Module):
         self.backend = backend
         self.kv_cache: LayerKVCache | None = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Query parts q_nope [T, H, nope] and rotated q_pe [T, H, rope]; latent [T, kv_lora]; rotated k_pe [T, rope]."""
         cfg, t, h = self.cfg, x.shape[0], self.cfg.num_heads
         if cfg.q_lora_rank is None:
             q = self.q_proj(x)
@@ -105,9 +106,15 @@ class MLAAttention(nn.Module):
         latent = self.kv_a_layernorm(latent.contiguous())
         pe = self.rotary(positions, torch.cat([q_pe, k_pe[:, None]], dim=1))  # one rotation for q and k
         q_pe, k_pe = pe[:, :h], pe[:, h]
-        w_kv_b = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        out = self.backend.forward_mla(q_nope, q_pe, latent, k_pe, w_kv_b, self.kv_cache, attn_metadata, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return q_nope, q_pe, latent, k_pe
+
+    def attend(self, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor:
+        cfg = self.cfg
+        w_kv_b = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return self.backend.forward_mla(*inputs, w_kv_b, self.kv_cache, attn_metadata, self.scale)
+
+    def output(self, attn_out: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
 
 
 class DeepseekForCausalLM(CausalLM):

@@ -23,15 +23,22 @@ from mrv2.runner.states import RequestStates
 class StepPadding:
     """Sizes a captured graph was recorded at: the step is padded up to them.
 
-    Padded tokens read token 0 at position 0 and write their KV into the reserved
-    null block (slot 0); padded requests have sequence length 0 and get the padded
-    tokens in equal shares at the end, so query_start_loc stays non-decreasing.
-    Attention is sized by `max_seq_len`, not by the step's own longest sequence.
+    Padded tokens read token 0 at position 0. With `max_seq_len` set (FULL graphs:
+    attention is inside the graph) the attention metadata is padded too: padded tokens
+    write their KV into the reserved null block (slot 0), padded requests have sequence
+    length 0 and get the padded tokens in equal shares at the end, so query_start_loc
+    stays non-decreasing, and attention is sized by `max_seq_len`, not by the step's
+    own longest sequence. With `max_seq_len` None (PIECEWISE: attention runs eagerly)
+    only the token-indexed model inputs are padded; the attention metadata is the real one.
     """
 
     num_reqs: int
     num_tokens: int
-    max_seq_len: int
+    max_seq_len: int | None
+
+    @property
+    def pads_attention(self) -> bool:
+        return self.max_seq_len is not None
 
 
 @dataclass
@@ -80,18 +87,20 @@ class InputBuffers:
         b, r = len(idx_cpu), self._max_num_reqs
         t = int(num_scheduled_cpu.sum())
         bp, tp = (padding.num_reqs, padding.num_tokens) if padding else (b, t)
+        padded_attn = padding is not None and padding.pads_attention
+        ba, ta = (bp, tp) if padded_attn else (b, t)  # the sizes attention sees
         qsl_cpu = np.zeros(b + 1, dtype=np.int64)
         np.cumsum(num_scheduled_cpu, out=qsl_cpu[1:])
-        if bp > b:
-            qsl_cpu = pad_query_start_loc(qsl_cpu, b, bp, tp)
+        if ba > b:
+            qsl_cpu = pad_query_start_loc(qsl_cpu, b, ba, ta)
         staging = self._staging.numpy()
         staging[:b] = idx_cpu
         staging[r:r + b] = num_scheduled_cpu
-        staging[2 * r:2 * r + bp + 1] = qsl_cpu
+        staging[2 * r:2 * r + ba + 1] = qsl_cpu
         dev = self._staging.to(self.device, non_blocking=True)
         self.idx_mapping[:b].copy_(dev[:b])
         self.num_scheduled[:b].copy_(dev[r:r + b])
-        self.query_start_loc[:bp + 1].copy_(dev[2 * r:2 * r + bp + 1])
+        self.query_start_loc[:ba + 1].copy_(dev[2 * r:2 * r + ba + 1])
 
         idx = self.idx_mapping[:b]
         qsl = self.query_start_loc[:b + 1]
@@ -109,17 +118,17 @@ class InputBuffers:
         block_tables.gather(idx, self.block_table)
         block_tables.slot_mapping(self.block_table[:b], rows, positions, self.slot_mapping)
 
-        seq_lens_cpu = np.zeros(bp, dtype=np.int64)
+        seq_lens_cpu = np.zeros(ba, dtype=np.int64)
         seq_lens_cpu[:b] = states.num_computed_cpu[idx_cpu] + num_scheduled_cpu
         query_lens_cpu = np.diff(qsl_cpu)
         not_decode = np.flatnonzero(query_lens_cpu != 1)  # decodes lead the batch
         attn = CommonAttentionMetadata(
-            num_reqs=bp, num_tokens=tp, num_decodes=int(not_decode[0]) if not_decode.size else bp,
+            num_reqs=ba, num_tokens=ta, num_decodes=int(not_decode[0]) if not_decode.size else ba,
             max_query_len=int(query_lens_cpu.max()),
-            max_seq_len=padding.max_seq_len if padding else int(seq_lens_cpu.max()),
-            query_start_loc=self.query_start_loc[:bp + 1], seq_lens=self.seq_lens[:bp],
-            block_table=self.block_table[:bp], slot_mapping=self.slot_mapping[:tp], query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens_cpu, block_size=block_tables.block_size, static_shapes=padding is not None,
+            max_seq_len=padding.max_seq_len if padded_attn else int(seq_lens_cpu.max()),
+            query_start_loc=self.query_start_loc[:ba + 1], seq_lens=self.seq_lens[:ba],
+            block_table=self.block_table[:ba], slot_mapping=self.slot_mapping[:ta], query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu, block_size=block_tables.block_size, static_shapes=padded_attn,
         )
         return StepBatch(req_ids=req_ids, idx_cpu=idx_cpu, num_scheduled_cpu=num_scheduled_cpu, num_tokens=t,
                          idx_mapping=idx, num_scheduled=self.num_scheduled[:b], input_ids=self.input_ids[:tp],

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mrv2.platforms.graphs import CapturedGraph, EagerGraphBackend, GraphBackend
-from mrv2.runner.graphs import BatchDescriptor, GraphConfig, GraphDispatcher, GraphInputs, GraphManager, GraphMode
+from mrv2.runner.graphs import (BatchDescriptor, GraphConfig, GraphDispatcher, GraphInputs, GraphManager, GraphMode,
+                               WholeForward)
 
 
 class _RecordedGraph(CapturedGraph):
@@ -70,7 +71,8 @@ def make_manager(buffers: Buffers, log):
         assert metadata == {"n": desc.num_tokens}
         return buffers.x[:desc.num_tokens] * buffers.scale
 
-    return GraphManager(graphs, GraphInputs.of(buffers, ["x", "scale"]), lambda d: {"n": d.num_tokens}, forward, [attn])
+    return GraphManager(graphs, GraphInputs.of(buffers, ["x", "scale"]), lambda d: {"n": d.num_tokens},
+                        WholeForward(forward), [attn])
 
 
 def full(n: int) -> BatchDescriptor:
@@ -122,7 +124,8 @@ def test_moved_buffer_is_detected():
 def test_moved_buffer_in_plain_mapping_is_detected():
     x = torch.zeros(8)
     inputs = GraphInputs({"x": x})
-    m = GraphManager(RecordingGraphBackend([]), inputs, lambda d: None, lambda d, md: x[:d.num_tokens] + 1)
+    m = GraphManager(RecordingGraphBackend([]), inputs, lambda d: None,
+                     WholeForward(lambda d, md: x[:d.num_tokens] + 1))
     m.capture([full(4)])
     m.replay(full(4), None)
     x.set_(torch.zeros(8))  # same tensor object, new storage
@@ -195,7 +198,7 @@ def test_workspaces_are_released_after_capture(backend):
     attn = WorkspaceAttention()
     x = torch.arange(64, dtype=torch.float32)
     m = GraphManager(backend(), GraphInputs({"x": x}), lambda d: None,
-                     lambda d, md: attn.attend(d, x[:d.num_tokens]), [attn])
+                     WholeForward(lambda d, md: attn.attend(d, x[:d.num_tokens])), [attn])
     descs = [full(n) for n in (1, 2, 4, 8, 16, 32, 64)]
     m.capture(descs)
     gc.collect()

@@ -237,3 +237,36 @@ def test_padding_to_a_captured_size(padded_reqs):
     assert padded.attn.seq_lens[3:].eq(0).all() and padded.attn.slot_mapping[3:].eq(0).all()
     for name in ("k", "v"):  # outside the null block, the caches hold exactly the same writes
         torch.testing.assert_close(cache_padded[name][1:], cache_eager[name][1:])
+
+
+def test_token_only_padding_keeps_real_attention_metadata():
+    """PIECEWISE padding: ids and positions padded with zeros, attention metadata exactly the unpadded one."""
+    from mrv2.runner.input_batch import StepPadding
+
+    w = World(block_size=4, seed=12)
+    w.add("d", 9, 8, 3)  # a decode
+    w.add("p", 7, 0, 2)  # a prefill of 7 tokens
+    w.states.apply_staged()
+    w.tables.apply_staged()
+    ids = list(w.reqs)
+    idx = np.array([w.reqs[r].slot for r in ids])
+    sched = np.array([1, 7])
+
+    real = w.inputs.prepare(ids, idx, sched, w.states, w.tables)
+    real_attn = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in vars(real.attn).items()}
+    real_ids, real_pos = real.input_ids.clone(), real.positions.clone()
+    w.inputs.input_ids[8:16] = 7  # stale values a previous step left behind
+    w.inputs.positions[8:16] = 7
+    padded = w.inputs.prepare(ids, idx, sched, w.states, w.tables, StepPadding(2, 16, None))
+    assert padded.input_ids.shape[0] == 16 and padded.positions.shape[0] == 16
+    assert torch.equal(padded.input_ids[:8], real_ids) and torch.equal(padded.positions[:8], real_pos)
+    assert padded.input_ids[8:].eq(0).all() and padded.positions[8:].eq(0).all()
+    assert padded.num_tokens == 8 and padded.logits_indices.tolist() == real.logits_indices.tolist()
+    for name, want in real_attn.items():
+        got = getattr(padded.attn, name)
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(got, want), name
+        elif isinstance(want, np.ndarray):
+            assert np.array_equal(got, want), name
+        else:
+            assert got == want, name

@@ -53,3 +53,37 @@ def test_padded_writes_leave_requests_intact(graphed):
     a = [o.outputs[0].token_ids for o in graphed.generate(PROMPTS[:3], params)]
     b = [o.outputs[0].token_ids for o in graphed.generate(PROMPTS[:3], params)]
     assert a == b
+
+
+CHUNKED = dict(max_model_len=256, max_num_seqs=16, kv_cache_memory=64 << 20, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def eager_chunked():
+    return LLM(**CHUNKED, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def piecewise():
+    return LLM(**CHUNKED, graph_mode="piecewise", graph_capture_sizes=[1, 2, 4, 8, 16])
+
+
+@pytest.mark.parametrize("batch", [1, 5, 12])
+def test_piecewise_gives_eager_tokens_with_chunked_prefill(eager_chunked, piecewise, batch, monkeypatch):
+    """Prefill chunks, mixed prefill/decode steps and decodes replay pieces; steps above 16 tokens run eagerly."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    graphs = piecewise.engine.runner.graphs
+    assert [d.num_tokens for d in graphs.manager.descriptors] == [16, 8, 4, 2, 1]
+    assert all(d.mode is GraphMode.PIECEWISE and d.num_reqs == 0 for d in graphs.manager.descriptors)
+    step_sizes, plan = [], graphs.plan
+    monkeypatch.setattr(graphs, "plan", lambda n: step_sizes.append(n.copy()) or plan(n))
+    before = graphs.num_replays
+    want = [o.outputs[0].token_ids for o in eager_chunked.generate(PROMPTS[:batch], params)]
+    got = [o.outputs[0].token_ids for o in piecewise.generate(PROMPTS[:batch], params)]
+    assert got == want
+    assert graphs.num_replays - before == sum(n.sum() <= 16 for n in step_sizes) > 0
+    if batch == 12:
+        assert any(n.sum() > 16 for n in step_sizes)  # some steps run eagerly
+        # a replayed step mixing decodes and a prefill chunk
+        assert any(n.sum() <= 16 and (n == 1).any() and (n > 1).any() for n in step_sizes)
+    assert piecewise.engine.scheduler.block_pool.is_whole()

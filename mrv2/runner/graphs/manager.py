@@ -1,9 +1,10 @@
 """Capture and replay of forwards per batch descriptor, over explicit persistent inputs.
 
 The manager is built from what graphs need and nothing more: a graph backend, the
-persistent tensors the graphs read, a metadata builder, a forward callable and the
-attention backends (for their capture hooks). It never holds a model runner, so the
-same class serves the target model and a drafter, each over its own buffers.
+persistent tensors the graphs read, a metadata builder, a recorder (how one
+descriptor's forward is recorded: whole, or in pieces with attention eager between
+them) and the attention backends (for their capture hooks). It never holds a model
+runner, so the same class serves the target model and a drafter, each over its own buffers.
 
 What the captured forward may depend on at replay: the `GraphInputs` tensors (whose
 addresses are checked), tensors in the capture-time metadata (kept alive here) that
@@ -75,23 +76,53 @@ class GraphInputs:
         return {name: t.data_ptr() for name, t in self.tensors.items()}
 
 
+class Recording(Protocol):
+    """What one descriptor's capture produced; `replay` returns the output at fixed addresses."""
+
+    def replay(self, metadata: Any) -> Any: ...
+
+
+class Recorder(Protocol):
+    """How a descriptor's forward is recorded into graphs of a backend."""
+
+    def record(self, graph_backend: GraphBackend, pool: Any, desc: BatchDescriptor, metadata: Any) -> Recording: ...
+
+
+class _WholeRecording:
+    def __init__(self, graph: CapturedGraph) -> None:
+        self.graph = graph
+
+    def replay(self, metadata: Any) -> Any:
+        self.graph.replay()
+        return self.graph.output
+
+
+@dataclass(frozen=True)
+class WholeForward:
+    """Records `forward(desc, metadata)` as one graph (FULL mode: attention inside)."""
+
+    forward: Callable[[BatchDescriptor, Any], Any]
+
+    def record(self, graph_backend: GraphBackend, pool: Any, desc: BatchDescriptor, metadata: Any) -> Recording:
+        return _WholeRecording(graph_backend.capture(lambda: self.forward(desc, metadata), pool))
+
+
 @dataclass
 class _Entry:
-    graph: CapturedGraph
+    recording: Recording
     metadata: Any  # capture-time metadata: the graph may read its tensors
 
 
 class GraphManager:
-    """Captures `forward(desc, build_metadata(desc))` per descriptor and replays it."""
+    """Records `build_metadata(desc)`'s forward per descriptor through `recorder` and replays it."""
 
     def __init__(self, graph_backend: GraphBackend, inputs: GraphInputs,
-                 build_metadata: Callable[[BatchDescriptor], Any],
-                 forward: Callable[[BatchDescriptor, Any], Any],
+                 build_metadata: Callable[[BatchDescriptor], Any], recorder: Recorder,
                  attention_backends: Sequence[CaptureHooks] = (), pool: Any = None) -> None:
         self.graph_backend = graph_backend
         self.inputs = inputs
         self.build_metadata = build_metadata
-        self.forward = forward
+        self.recorder = recorder
         self.attention_backends = tuple(attention_backends)
         self.pool = graph_backend.new_pool() if pool is None else pool
         self._entries: dict[BatchDescriptor, _Entry] = {}
@@ -119,11 +150,11 @@ class GraphManager:
                 backend.before_capture(desc)
             try:
                 metadata = self.build_metadata(desc)
-                graph = self.graph_backend.capture(lambda f=self.forward, d=desc, m=metadata: f(d, m), self.pool)
+                recording = self.recorder.record(self.graph_backend, self.pool, desc, metadata)
             finally:
                 for backend in self.attention_backends:
                     backend.after_capture(desc)
-            self._entries[desc] = _Entry(graph, metadata)
+            self._entries[desc] = _Entry(recording, metadata)
         if todo:
             logger.info("Captured %d graphs (%d to %d tokens) in %.2f s", len(todo), todo[-1].num_tokens,
                         todo[0].num_tokens, time.perf_counter() - start)
@@ -138,16 +169,16 @@ class GraphManager:
     def replay(self, desc: BatchDescriptor, metadata: Any) -> Any:
         """Replay `desc` over the current contents of the inputs; returns the captured output.
 
-        `metadata` is the step's own (padded) metadata, handed to each backend's
-        `prepare_replay`. The output lives at fixed addresses and is overwritten by the
-        next replay of `desc`; its rows past the step's real sizes are padding.
+        `metadata` is the step's own metadata, handed to each backend's `prepare_replay`
+        and to the recording (piecewise recordings attend with it). The output lives at
+        fixed addresses and is overwritten by the next replay of `desc`; its rows past
+        the step's real sizes are padding.
         """
         entry = self._entries[desc]
         self._check_inputs()
         for backend in self.attention_backends:
             backend.prepare_replay(desc, metadata)
-        entry.graph.replay()
-        return entry.graph.output
+        return entry.recording.replay(metadata)
 
     def _check_inputs(self) -> None:
         now = self.inputs.addresses()

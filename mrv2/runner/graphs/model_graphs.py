@@ -4,6 +4,10 @@ FULL graphs of uniform decode steps hold the whole forward, attention metadata
 included: `build_metadata` runs inside the captured callable over the persistent
 buffers, sized by `max_model_len` (static shapes), so a replay recomputes masks and
 gather indices from whatever the step wrote into the buffers.
+
+PIECEWISE graphs hold the segments between attention calls, per padded token count;
+attention runs eagerly between them with the step's own metadata
+(`mrv2.runner.graphs.piecewise`), so they serve any batch, prefill included.
 """
 
 from __future__ import annotations
@@ -16,27 +20,34 @@ from mrv2.attention.backend import AttentionBackend, CommonAttentionMetadata
 from mrv2.config import GraphConfig, GraphMode
 from mrv2.platforms.graphs import GraphBackend
 from mrv2.runner.graphs.descriptor import BatchDescriptor, GraphDispatcher
-from mrv2.runner.graphs.manager import GraphInputs, GraphManager
+from mrv2.runner.graphs.manager import GraphInputs, GraphManager, WholeForward
+from mrv2.runner.graphs.piecewise import PiecewiseForward
 from mrv2.runner.input_batch import InputBuffers, StepPadding
 
 _GRAPH_INPUTS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table")
 
 
 class ModelGraphs:
-    """Captured FULL decode graphs of one model, keyed by batch descriptor."""
+    """Captured graphs of one model (FULL decode graphs or PIECEWISE segments), keyed by batch descriptor."""
 
     def __init__(self, config: GraphConfig, graph_backend: GraphBackend, model: nn.Module,
                  attn_backend: AttentionBackend, inputs: InputBuffers, max_num_reqs: int, max_num_tokens: int,
                  max_model_len: int, block_size: int) -> None:
-        if config.mode is GraphMode.PIECEWISE:
-            raise ValueError("graph mode PIECEWISE is not implemented yet; use FULL or NONE")
+        if config.mode is GraphMode.NONE:
+            raise ValueError("graph mode NONE captures nothing; run eagerly instead")
         self.model, self.attn_backend, self.inputs = model, attn_backend, inputs
+        self.mode = config.mode
         self.block_size = block_size
-        # Attention in a graph is sized for the longest possible sequence, rounded to whole blocks.
+        # Attention in a FULL graph is sized for the longest possible sequence, rounded to whole blocks.
         self.max_seq_len = -(-max_model_len // block_size) * block_size
         self.dispatcher = GraphDispatcher(config, max_num_reqs, max_num_tokens)
-        self.manager = GraphManager(graph_backend, GraphInputs.of(inputs, _GRAPH_INPUTS), self._static_metadata,
-                                    self._forward, [attn_backend])
+        if config.mode is GraphMode.FULL:
+            self.manager = GraphManager(graph_backend, GraphInputs.of(inputs, _GRAPH_INPUTS), self._static_metadata,
+                                        WholeForward(self._forward), [attn_backend])
+        else:
+            recorder = PiecewiseForward(model, inputs.input_ids, inputs.positions, attn_backend.build_metadata)
+            self.manager = GraphManager(graph_backend, GraphInputs.of(inputs, ("input_ids", "positions")),
+                                        lambda desc: None, recorder, [attn_backend])
         self.num_replays = 0
 
     @torch.inference_mode()
@@ -50,6 +61,8 @@ class ModelGraphs:
         desc = self.dispatcher.dispatch(int(num_scheduled.sum()), len(num_scheduled), uniform)
         if desc.mode is GraphMode.NONE or not self.manager.has(desc):
             return None, None
+        if desc.mode is GraphMode.PIECEWISE:  # tokens only: attention sees the real batch
+            return desc, StepPadding(len(num_scheduled), desc.num_tokens, None)
         return desc, StepPadding(desc.num_reqs, desc.num_tokens, self.max_seq_len)
 
     def run(self, desc: BatchDescriptor, common: CommonAttentionMetadata) -> torch.Tensor:

@@ -1,0 +1,100 @@
+"""PIECEWISE graphs: the segments between attention calls are captured, attention runs eagerly between them.
+
+For a descriptor of t padded tokens the recorder captures segment 0 (embedding ->
+inputs of attention call 0) over the persistent input ids and positions, then each
+segment i over attention-output buffer i-1 and segment i-1's residual, up to the last
+segment's final hidden states (see `mrv2.models.base` for the segments). Attention is
+never captured: at replay it runs between the pieces over the step's real tokens, with
+the step's own metadata (real query_start_loc, sequence lengths and slot mapping, so
+no padded token reaches the KV cache), and its output is copied into the buffer the
+next piece reads. Buffer rows past the real tokens hold stale values; they only feed
+padded rows, which are discarded.
+
+Because attention stays outside the graphs, every batch up to the largest size fits,
+mixed prefill/decode steps included, and attention needs no per-size workspace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+
+from mrv2.platforms.graphs import CapturedGraph, GraphBackend
+from mrv2.runner.graphs.descriptor import BatchDescriptor
+
+
+class SegmentedModel(Protocol):
+    """A forward split at attention calls (implemented by `mrv2.models.base.CausalLM`)."""
+
+    @property
+    def num_attention_calls(self) -> int: ...
+
+    def segment(self, i: int, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None) -> Any: ...
+
+    def attend(self, i: int, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor: ...
+
+
+class PiecewiseRecording:
+    """The captured segments of one descriptor and the attention calls between them."""
+
+    def __init__(self, model: SegmentedModel, pieces: list[CapturedGraph],
+                 links: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]],
+                 build_attention_metadata: Callable[[Any], Any]) -> None:
+        self.model = model
+        self.pieces = pieces
+        self.links = links  # per attention call: (its inputs, a piece's output; its output buffer)
+        self.build_attention_metadata = build_attention_metadata
+
+    def replay(self, metadata: Any) -> torch.Tensor:
+        """Replay over the persistent inputs; `metadata` is the step's (unpadded) common metadata."""
+        attn_metadata = self.build_attention_metadata(metadata)
+        t = metadata.num_tokens
+        for i, piece in enumerate(self.pieces[:-1]):
+            piece.replay()
+            inputs, out = self.links[i]
+            out[:t].copy_(self.model.attend(i, tuple(x[:t] for x in inputs), attn_metadata))
+        self.pieces[-1].replay()
+        return self.pieces[-1].output
+
+
+class PiecewiseForward:
+    """Records a segmented model's forward as one graph per segment, over persistent ids and positions.
+
+    Attention-output buffers are shared by all descriptors (they never run at the same
+    time): allocated at the first (largest) descriptor's size and sliced for the others.
+    """
+
+    def __init__(self, model: SegmentedModel, input_ids: torch.Tensor, positions: torch.Tensor,
+                 build_attention_metadata: Callable[[Any], Any]) -> None:
+        self.model = model
+        self.input_ids = input_ids
+        self.positions = positions
+        self.build_attention_metadata = build_attention_metadata
+        self._attn_out: list[torch.Tensor | None] = [None] * model.num_attention_calls
+
+    def record(self, graph_backend: GraphBackend, pool: Any, desc: BatchDescriptor,
+               metadata: Any) -> PiecewiseRecording:
+        t, model = desc.num_tokens, self.model
+        positions = self.positions[:t]
+        pieces: list[CapturedGraph] = []
+        links: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
+        x, residual = self.input_ids[:t], None
+        for i in range(model.num_attention_calls + 1):
+            piece = graph_backend.capture(partial(model.segment, i, positions, x, residual), pool)
+            pieces.append(piece)
+            if i == model.num_attention_calls:
+                break
+            inputs, residual = piece.output
+            x = self._attention_buffer(i, model.attend(i, inputs, None))  # no cache: shapes only
+            links.append((inputs, x))
+        return PiecewiseRecording(model, pieces, links, self.build_attention_metadata)
+
+    def _attention_buffer(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._attn_out[i]
+        t = like.shape[0]
+        if buf is None or buf.shape[0] < t or buf.shape[1:] != like.shape[1:]:
+            buf = self._attn_out[i] = torch.zeros_like(like)
+        return buf[:t]
