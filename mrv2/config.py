@@ -112,18 +112,24 @@ class GraphConfig:
     """Graph capture settings.
 
     `capture_sizes` count requests in FULL mode and tokens in PIECEWISE mode; None
-    means `default_capture_sizes(max_capture_size)`.
+    means `default_capture_sizes(max_capture_size)`. `compile` runs PIECEWISE
+    pieces through torch.compile on devices without graph capture (the CPU); None
+    lets the platform choose (the CPU compiles them).
     """
 
     mode: GraphMode = GraphMode.FULL
     capture_sizes: tuple[int, ...] | None = None
     max_capture_size: int = 64
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, GraphMode):
             raise ValueError(f"mode must be a GraphMode, got {self.mode!r}")
         if self.max_capture_size <= 0:
             raise ValueError(f"max_capture_size must be positive, got {self.max_capture_size}")
+        if self.compile and self.mode is not GraphMode.PIECEWISE:
+            # FULL graphs build attention metadata from host arrays inside the captured callable.
+            raise ValueError(f"graph compile applies to piecewise graphs only, got mode {self.mode.value!r}")
         if self.capture_sizes is not None:
             sizes = self.capture_sizes
             if not isinstance(sizes, tuple) or not sizes:

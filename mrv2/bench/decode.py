@@ -1,11 +1,13 @@
 """`mrv2 bench decode`: decode step time with and without the graph path, side by side.
 
-Two engines over the same model, one with `enforce_eager` and one with FULL decode
-graphs captured at the measured batch sizes, each timing the median of `--steps`
-decode steps at batch 1, 8 and 64 (by default) after a prefill of `--context` tokens.
-On the CPU the graph backend re-runs the callable eagerly (torch.compile measured
-slower than eager here), so this measures what the graph path costs there: padding
-and attention sized for max_model_len. On CUDA it measures CUDA-graph replay.
+Engines over the same model, one with `enforce_eager` and one per graph mode (FULL
+decode graphs, PIECEWISE segments) captured at the measured batch sizes, each timing
+the median of `--steps` decode steps at batch 1, 8 and 64 (by default) after a
+prefill of `--context` tokens, interleaved per batch size.
+On the CPU, FULL graphs re-run the forward eagerly, so that column is what padding and
+attention sized for max_model_len cost; PIECEWISE pieces are torch.compile'd there, and
+`piecewise-eager` runs them uncompiled, which isolates what compiling buys. On CUDA
+the columns are CUDA-graph replays.
 """
 
 from __future__ import annotations
@@ -16,10 +18,18 @@ import time
 import numpy as np
 
 
+# Engine settings per timed mode (besides eager). piecewise-eager re-runs the pieces
+# uncompiled where the device has no graphs: what compiling them buys.
+_MODES = {"full": {"graph_mode": "full"}, "piecewise": {"graph_mode": "piecewise"},
+          "piecewise-eager": {"graph_mode": "piecewise", "graph_compile": False}}
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--modes", default="full,piecewise,piecewise-eager",
+                   help=f"graph modes to time against eager: some of {', '.join(_MODES)}")
 
 
 def decode_step_ms(llm, batch: int, context: int, steps: int) -> float:
@@ -52,14 +62,21 @@ def run(args: argparse.Namespace) -> int:
     from mrv2.entrypoints.cli import engine_kwargs
 
     sizes = [int(s) for s in args.batch_sizes.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in _MODES for m in modes):
+        raise ValueError(f"--modes must list some of {', '.join(_MODES)}, got {args.modes!r}")
     kwargs = engine_kwargs(args)
     kwargs.update(max_num_seqs=max(sizes), max_model_len=kwargs["max_model_len"] or args.context + args.steps + 16,
                   enforce_eager=False)
-    eager = LLM(**kwargs | {"enforce_eager": True})
-    graphed = LLM(**kwargs | {"graph_mode": "full", "graph_capture_sizes": sizes})
-    print(f"device {eager.engine.platform.name}, {eager.engine.dtype}, context {args.context}, "
+    # Decode steps have as many tokens as requests, so one list serves both modes.
+    engines = {"eager": LLM(**kwargs | {"enforce_eager": True})}
+    for mode in modes:
+        engines[mode] = LLM(**kwargs | _MODES[mode] | {"graph_capture_sizes": sizes})
+    print(f"device {engines['eager'].engine.platform.name}, {engines['eager'].engine.dtype}, context {args.context}, "
           f"max_model_len {kwargs['max_model_len']}, median of {args.steps} decode steps")
     for b in sizes:
-        e, g = decode_step_ms(eager, b, args.context, args.steps), decode_step_ms(graphed, b, args.context, args.steps)
-        print(f"batch {b:3d}: eager {e:8.2f} ms   graph path {g:8.2f} ms   graph/eager {g / e:.2f}x")
+        ms = {name: decode_step_ms(llm, b, args.context, args.steps) for name, llm in engines.items()}
+        cols = "   ".join(f"{name} {t:8.2f} ms" for name, t in ms.items())
+        ratios = "   ".join(f"{m}/eager {ms[m] / ms['eager']:.2f}x" for m in modes)
+        print(f"batch {b:3d}: {cols}   {ratios}")
     return 0

@@ -27,9 +27,12 @@ class LLM:
 
     `model` is an HF checkpoint folder or a GGUF file; None runs the embedded
     SmolLM2-135M-Instruct. The KV cache takes `kv_cache_memory` bytes when given,
-    else `kv_cache_memory_fraction` of the free device memory. `graph_mode` ("none",
-    "full"; default: the platform's, FULL decode graphs on CUDA/NPU, none on CPU) and
-    `graph_capture_sizes` (request counts) set graph capture; `enforce_eager` turns it off.
+    else `kv_cache_memory_fraction` of the free device memory. `graph_mode` ("none";
+    "full": whole uniform-decode steps; "piecewise": the layers between attention calls,
+    any step; default: the platform's, full on CUDA/NPU, none on CPU) and
+    `graph_capture_sizes` (requests for full, tokens for piecewise) set graph capture;
+    `graph_compile` runs piecewise pieces through torch.compile on the CPU (default:
+    on); `enforce_eager` turns it all off.
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
@@ -38,7 +41,7 @@ class LLM:
                  block_size: int = 16, kv_cache_layout: str = "joint", kv_transfer: bool = False,
                  enable_chunked_prefill: bool = True, enforce_eager: bool = False, seed: int = 0,
                  device: str | None = None, graph_mode: str | None = None,
-                 graph_capture_sizes: Sequence[int] | None = None) -> None:
+                 graph_capture_sizes: Sequence[int] | None = None, graph_compile: bool | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
@@ -46,9 +49,10 @@ class LLM:
                               kv_transfer=kv_transfer),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill),
-            graph=None if graph_mode is None and graph_capture_sizes is None else GraphConfig(
+            graph=None if (graph_mode, graph_capture_sizes, graph_compile) == (None, None, None) else GraphConfig(
                 mode=_graph_mode(graph_mode),
-                capture_sizes=tuple(graph_capture_sizes) if graph_capture_sizes is not None else None),
+                capture_sizes=tuple(graph_capture_sizes) if graph_capture_sizes is not None else None,
+                compile=graph_compile),
             enforce_eager=enforce_eager, device=device,
         )
         self.engine = LLMEngine(config)

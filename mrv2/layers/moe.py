@@ -18,6 +18,20 @@ from torch import nn
 from mrv2.layers.mlp import ACTIVATIONS, GatedMLP
 
 
+@torch.library.custom_op("mrv2::grouped_mm", mutates_args=())
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`F.grouped_mm(a, b, offs=offs)` as an opaque op.
+
+    torch.compile (piecewise graphs) sees only its output shape: torch's own meta
+    function for it accepts bf16 only, while the eager kernels run every float dtype.
+    """
+    return F.grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -135,8 +149,8 @@ class FusedMoE(nn.Module):
         sorted_ids, order = ids.flatten().sort(stable=True)
         # offs[e] = end of expert e's segment among the sorted pairs, computed without leaving the device.
         offs = torch.searchsorted(sorted_ids, self.expert_ids, right=True, out_int32=True)
-        gate, up = F.grouped_mm(x[order // k], self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        y = F.grouped_mm(self.act(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        gate, up = grouped_mm(x[order // k], self.w13.transpose(1, 2), offs).chunk(2, dim=-1)
+        y = grouped_mm(self.act(gate) * up, self.w2.transpose(1, 2), offs)
         y = y * weights.flatten()[order, None]  # fp32, like transformers
         # Undo the sort (a permutation, so deterministic) and sum each token's k experts in fp32.
         out = torch.empty_like(y).index_copy_(0, order, y).view(t, k, x.shape[1]).sum(1).to(x.dtype)

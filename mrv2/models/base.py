@@ -14,7 +14,8 @@ and run attention eagerly between them (`mrv2.runner.graphs.piecewise`).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,23 @@ class PreNormBlock(nn.Module):
         return self.mlp(x), residual
 
 
+def _first_segment(embed: nn.Embedding, block: PreNormBlock, positions: torch.Tensor, input_ids: torch.Tensor,
+                   residual: None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    return block.start(positions, embed(input_ids), None)
+
+
+def _middle_segment(prev: PreNormBlock, block: PreNormBlock, positions: torch.Tensor, attn_out: torch.Tensor,
+                    residual: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    x, residual = prev.finish(attn_out, residual)
+    return block.start(positions, x, residual)
+
+
+def _last_segment(prev: PreNormBlock, norm: RMSNorm, positions: torch.Tensor, attn_out: torch.Tensor,
+                  residual: torch.Tensor) -> torch.Tensor:
+    x, residual = prev.finish(attn_out, residual)
+    return norm(x, residual)[0]
+
+
 class CausalLM(nn.Module):
     """Embeddings -> PreNormBlocks -> final norm -> LM head (tied or not).
 
@@ -103,6 +121,18 @@ class CausalLM(nn.Module):
     def num_attention_calls(self) -> int:
         return len(self.layers)
 
+    def segment_call(self, i: int) -> tuple[Callable[..., Any], tuple[nn.Module, nn.Module]]:
+        """Segment i as a plain function and the two modules it runs: fn(*modules, positions, x, residual).
+
+        Every segment between two blocks is the same function of different blocks, so a
+        compiled piece (one per token count) serves every layer.
+        """
+        if i == 0:
+            return _first_segment, (self.embed_tokens, self.layers[0])
+        if i == len(self.layers):
+            return _last_segment, (self.layers[-1], self.norm)
+        return _middle_segment, (self.layers[i - 1], self.layers[i])
+
     def segment(self, i: int, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None) -> Any:
         """The work between attention calls i-1 and i.
 
@@ -110,13 +140,8 @@ class CausalLM(nn.Module):
         i-1 and the residual. Segments before the last return (attention inputs of
         call i, residual); the last (i == num_attention_calls) returns the final hidden states.
         """
-        if i == 0:
-            x = self.embed_tokens(x)
-        else:
-            x, residual = self.layers[i - 1].finish(x, residual)
-        if i == len(self.layers):
-            return self.norm(x, residual)[0]
-        return self.layers[i].start(positions, x, residual)
+        fn, modules = self.segment_call(i)
+        return fn(*modules, positions, x, residual)
 
     def attend(self, i: int, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor:
         """Attention call i over the KV cache (`attn_metadata` None: causal over the tokens, no cache)."""

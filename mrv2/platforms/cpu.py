@@ -8,8 +8,7 @@ from functools import lru_cache
 import torch
 
 from mrv2.config import GraphConfig, GraphMode
-
-from mrv2.platforms.graphs import EagerGraphBackend, GraphBackend
+from mrv2.platforms.graphs import CompiledGraphBackend, EagerGraphBackend, GraphBackend
 from mrv2.platforms.interface import Platform
 
 
@@ -65,9 +64,11 @@ class CpuPlatform(Platform):
         # Subnormal floats take a microcode slow path on x86 (tens of times slower).
         torch.set_flush_denormal(True)
 
-    def graph_backend(self) -> GraphBackend:
-        # torch.compile measured slower than eager here for decoder blocks at 1, 8 and 64 rows.
-        return EagerGraphBackend()
+    def graph_backend(self, config: GraphConfig) -> GraphBackend:
+        # Piecewise on the CPU only pays compiled: uncompiled pieces are eager plus copies
+        # (`mrv2 bench decode` times both). FULL graphs hold host-side metadata: eager.
+        compile = config.mode is GraphMode.PIECEWISE if config.compile is None else config.compile
+        return CompiledGraphBackend() if compile else EagerGraphBackend()
 
     def default_graph_config(self) -> GraphConfig:
         # With no graph to save launch overhead, padded static shapes only cost: run eagerly.

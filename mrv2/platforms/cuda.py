@@ -21,5 +21,5 @@ class CudaPlatform(AcceleratorPlatform):
     def supports_native_bf16(self) -> bool:
         return torch.cuda.is_bf16_supported()
 
-    def graph_backend(self) -> GraphBackend:
+    def _graph_backend(self) -> GraphBackend:
         return CudaGraphBackend()

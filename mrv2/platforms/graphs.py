@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -55,10 +56,10 @@ class _EagerGraph(CapturedGraph):
     def __init__(self, fn: Callable[[], Any]) -> None:
         self._fn = fn
         self.output = fn()
-        list(_leaves(self.output))  # reject unsupported outputs at capture, not at the first replay
+        self._leaves = list(_leaves(self.output))  # rejects unsupported outputs at capture
 
     def replay(self) -> None:
-        for dst, src in zip(_leaves(self.output), _leaves(self._fn()), strict=True):
+        for dst, src in zip(self._leaves, _leaves(self._fn()), strict=True):
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
 
@@ -66,8 +67,8 @@ class _EagerGraph(CapturedGraph):
 class EagerGraphBackend(GraphBackend):
     """No graphs: replay re-runs the callable and copies into the captured output.
 
-    The CPU platform's backend: torch.compile measured slower than eager on this CPU
-    for decoder blocks at 1, 8 and 64 rows, and the CPU has no launch cost to save.
+    The CPU's backend for FULL graphs, where padding to static shapes is all a replay
+    changes (see `mrv2 bench decode`).
     """
 
     def new_pool(self) -> None:
@@ -75,6 +76,33 @@ class EagerGraphBackend(GraphBackend):
 
     def capture(self, fn: Callable[[], Any], pool: Any) -> CapturedGraph:
         return _EagerGraph(fn)
+
+
+class CompiledGraphBackend(GraphBackend):
+    """A torch.compile'd (Inductor) callable per captured shape; replay runs it and copies into the output.
+
+    The CPU's backend for PIECEWISE graphs, where fused pointwise kernels pay (see
+    `mrv2 bench compile`). A `functools.partial` is compiled through its function, so
+    pieces running one function over different modules (every layer's segment) share
+    a compiled graph per input shape: compiles grow with capture sizes, not with layers.
+    """
+
+    def __init__(self, recompile_limit: int = 256) -> None:
+        self.recompile_limit = recompile_limit
+        self._compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+    def new_pool(self) -> None:
+        return None
+
+    def capture(self, fn: Callable[[], Any], pool: Any) -> CapturedGraph:
+        func, args, kwargs = (fn.func, fn.args, fn.keywords) if isinstance(fn, partial) else (fn, (), {})
+        compiled = self._compiled.get(func)
+        if compiled is None:
+            compiled = self._compiled[func] = torch.compile(func, dynamic=False)
+        # Every capture size is one more specialization of the same code: allow them all.
+        limit = self.recompile_limit
+        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit):
+            return _EagerGraph(partial(compiled, *args, **kwargs))
 
 
 class _DeviceGraph(CapturedGraph):

@@ -68,8 +68,8 @@ class Platform(ABC):
     def configure_threads(self) -> None:
         """Set host threading for this device type."""
 
-    def graph_backend(self) -> GraphBackend:
-        """How this device records and replays forwards (eager re-runs where it has no graphs)."""
+    def graph_backend(self, config: GraphConfig) -> GraphBackend:
+        """How this device records and replays forwards for `config` (eager re-runs where it has no graphs)."""
         return EagerGraphBackend()
 
     def default_graph_config(self) -> GraphConfig:
@@ -99,3 +99,12 @@ class AcceleratorPlatform(Platform):
 
     def pin_memory(self) -> bool:
         return True
+
+    def graph_backend(self, config: GraphConfig) -> GraphBackend:
+        if config.compile:
+            raise ValueError(f"graph compile (torch.compile) is for devices without graph capture; "
+                             f"{self.name} captures {self.name.upper()} graphs: leave compile unset")
+        return self._graph_backend()
+
+    def _graph_backend(self) -> GraphBackend:
+        raise NotImplementedError

@@ -33,5 +33,5 @@ class NpuPlatform(AcceleratorPlatform):
     def supports_native_bf16(self) -> bool:
         return True
 
-    def graph_backend(self) -> GraphBackend:
+    def _graph_backend(self) -> GraphBackend:
         return NpuGraphBackend()

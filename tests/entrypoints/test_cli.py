@@ -25,6 +25,15 @@ def test_generate_prints_the_completion(default_llm):
     assert r.stdout.strip() == expected.strip()
 
 
+@pytest.mark.parametrize("mode", ["full", "piecewise"])
+def test_generate_with_graph_mode(default_llm, mode):
+    r = run("generate", "The capital of France is", "--max-tokens", "8", "--max-model-len", "512",
+            "--graph-mode", mode, "--graph-capture-sizes", "1,2,4,8")
+    assert r.returncode == 0, r.stderr
+    expected = default_llm.generate("The capital of France is", _greedy(8))[0].outputs[0].text
+    assert r.stdout.strip() == expected.strip()
+
+
 def test_generate_chat(default_llm):
     r = run("generate", "What is the capital of France?", "--chat", "--max-tokens", "16", "--max-model-len", "512")
     assert r.returncode == 0, r.stderr
@@ -62,6 +71,8 @@ def test_chat_session_keeps_history():
     (["generate", "hi", "--top-p", "0"], "top_p"),
     (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
     (["generate"], "prompt"),
+    (["generate", "hi", "--graph-capture-sizes", "1,x"], "--graph-capture-sizes"),
+    (["generate", "hi", "--graph-capture-sizes", "0"], "capture_sizes"),
 ])
 def test_bad_arguments_exit_2_with_a_clear_message(args, needle):
     r = run(*args)
@@ -86,6 +97,15 @@ def test_bench_throughput_compare_hf(tmp_path: Path):
     result = json.loads(out.read_text())
     assert result["identical_completions"] == 4  # greedy, fp32: the same tokens as transformers
     assert result["mrv2"]["output_tok_s"] > 0 and result["hf"]["output_tok_s"] > 0
+
+
+def test_bench_decode_times_every_mode_side_by_side():
+    r = run("bench", "decode", "--batch-sizes", "1,2", "--steps", "2", "--context", "8")
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("batch")]
+    assert len(lines) == 2
+    for line in lines:
+        assert "full/eager" in line and "piecewise/eager" in line and "piecewise-eager/eager" in line
 
 
 def _greedy(n: int):

@@ -52,12 +52,12 @@ def _generate(llm):
                                                                          ignore_eos=True))]
 
 
-@pytest.mark.parametrize("mode", ["full", "piecewise"])
-def test_greedy_with_graphs(checkpoint, hf_reference, mode):
-    """MLA and MoE under the graph path (CPU graph backend): still token for token transformers'."""
+@pytest.mark.parametrize("mode,compile", [("full", None), ("piecewise", True), ("piecewise", False)])
+def test_greedy_with_graphs(checkpoint, hf_reference, mode, compile):
+    """MLA and MoE under the graph path (CPU: FULL eager, PIECEWISE compiled or not): still transformers' tokens."""
     path, _ = checkpoint
     llm = LLM(model=str(path), kv_cache_memory=1 << 22, max_num_batched_tokens=16, graph_mode=mode,
-              graph_capture_sizes=[1, 2, 4, 8, 16])
+              graph_capture_sizes=[1, 2, 4, 8, 16], graph_compile=compile)
     graphs = llm.engine.runner.graphs
     assert _generate(llm) == hf_reference
     assert graphs.num_replays > 0 and llm.engine.scheduler.block_pool.is_whole()

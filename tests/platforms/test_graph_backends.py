@@ -1,14 +1,17 @@
-"""Graph backends: the eager backend's fixed-address outputs, and which backend each platform picks."""
+"""Graph backends: eager and compiled fixed-address outputs, and which backend each platform picks."""
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
 
+from mrv2.config import GraphConfig, GraphMode
 from mrv2.platforms import CpuPlatform, CudaPlatform
-from mrv2.platforms.graphs import CudaGraphBackend, EagerGraphBackend, NpuGraphBackend
+from mrv2.platforms.graphs import CompiledGraphBackend, CudaGraphBackend, EagerGraphBackend, NpuGraphBackend
 
 
 def test_eager_output_address_is_stable_and_matches_eager():
@@ -55,9 +58,43 @@ def test_eager_rejects_unsupported_outputs():
         EagerGraphBackend().capture(lambda: 3, None)
 
 
+def _linear_relu(linear, x):
+    return torch.relu(linear(x))
+
+
+def test_compiled_pieces_share_one_graph_per_shape_across_modules():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    backend = CompiledGraphBackend()
+    lins = [torch.nn.Linear(16, 16) for _ in range(3)]
+    x8, x4 = torch.randn(8, 16), torch.randn(4, 16)
+    before = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        graphs = [backend.capture(partial(_linear_relu, lin, x), None) for x in (x8, x4) for lin in lins]
+        assert counters["stats"]["unique_graphs"] - before == 2  # one per shape, not per module
+        outputs = [g.output for g in graphs]
+        ptrs = [o.data_ptr() for o in outputs]
+        x8.copy_(torch.randn(8, 16))
+        x4.copy_(torch.randn(4, 16))
+        for g in graphs:
+            g.replay()
+        assert [g.output.data_ptr() for g in graphs] == ptrs and all(g.output is o for g, o in zip(graphs, outputs))
+        want = [torch.relu(lin(x)) for x in (x8, x4) for lin in lins]
+    for g, w in zip(graphs, want, strict=True):
+        torch.testing.assert_close(g.output, w)
+
+
 def test_platform_graph_backends():
-    assert isinstance(CpuPlatform().graph_backend(), EagerGraphBackend)
-    assert isinstance(CudaPlatform().graph_backend(), CudaGraphBackend)  # constructing touches no device
+    full, piecewise = GraphConfig(mode=GraphMode.FULL), GraphConfig(mode=GraphMode.PIECEWISE)
+    assert isinstance(CpuPlatform().graph_backend(full), EagerGraphBackend)
+    assert isinstance(CpuPlatform().graph_backend(piecewise), CompiledGraphBackend)
+    assert isinstance(CpuPlatform().graph_backend(replace(piecewise, compile=False)), EagerGraphBackend)
+    with pytest.raises(ValueError, match="piecewise"):
+        replace(full, compile=True)
+    assert isinstance(CudaPlatform().graph_backend(full), CudaGraphBackend)  # constructing touches no device
+    with pytest.raises(ValueError, match="compile"):
+        CudaPlatform().graph_backend(replace(piecewise, compile=True))
     assert CudaGraphBackend.graph_class == "CUDAGraph" and NpuGraphBackend.graph_class == "NPUGraph"
     if importlib.util.find_spec("torch_npu") is None:
         with pytest.raises(ImportError):
@@ -66,7 +103,7 @@ def test_platform_graph_backends():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_replays_over_fixed_inputs():
-    backend = CudaPlatform().graph_backend()
+    backend = CudaPlatform().graph_backend(GraphConfig())
     x = torch.randn(8, 16, device="cuda")
     w = torch.randn(16, 16, device="cuda")
     graph = backend.capture(lambda: torch.relu(x @ w), backend.new_pool())

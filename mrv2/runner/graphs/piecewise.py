@@ -32,7 +32,8 @@ class SegmentedModel(Protocol):
     @property
     def num_attention_calls(self) -> int: ...
 
-    def segment(self, i: int, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None) -> Any: ...
+    def segment_call(self, i: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """Segment i as fn and leading arguments: fn(*args, positions, x, residual)."""
 
     def attend(self, i: int, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor: ...
 
@@ -83,7 +84,8 @@ class PiecewiseForward:
         links: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
         x, residual = self.input_ids[:t], None
         for i in range(model.num_attention_calls + 1):
-            piece = graph_backend.capture(partial(model.segment, i, positions, x, residual), pool)
+            fn, args = model.segment_call(i)
+            piece = graph_backend.capture(partial(fn, *args, positions, x, residual), pool)
             pieces.append(piece)
             if i == model.num_attention_calls:
                 break
