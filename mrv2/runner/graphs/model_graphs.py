@@ -36,7 +36,6 @@ class ModelGraphs:
         if config.mode is GraphMode.NONE:
             raise ValueError("graph mode NONE captures nothing; run eagerly instead")
         self.model, self.attn_backend, self.inputs = model, attn_backend, inputs
-        self.mode = config.mode
         self.block_size = block_size
         # Attention in a FULL graph is sized for the longest possible sequence, rounded to whole blocks.
         self.max_seq_len = -(-max_model_len // block_size) * block_size
