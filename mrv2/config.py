@@ -92,11 +92,16 @@ class SchedulerConfig:
 
 
 class GraphMode(enum.Enum):
-    """What a captured graph holds: nothing (eager), the layers between attention, or all."""
+    """What a captured graph holds: nothing (eager), the layers between attention, or all.
+
+    FULL_AND_PIECEWISE captures both: FULL graphs for uniform decode steps, PIECEWISE
+    pieces for every other step that fits.
+    """
 
     NONE = "none"
     PIECEWISE = "piecewise"
     FULL = "full"
+    FULL_AND_PIECEWISE = "full_and_piecewise"
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
@@ -127,7 +132,7 @@ class GraphConfig:
             raise ValueError(f"mode must be a GraphMode, got {self.mode!r}")
         if self.max_capture_size <= 0:
             raise ValueError(f"max_capture_size must be positive, got {self.max_capture_size}")
-        if self.compile and self.mode is not GraphMode.PIECEWISE:
+        if self.compile and self.mode not in (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE):
             # FULL graphs build attention metadata from host arrays inside the captured callable.
             raise ValueError(f"graph compile applies to piecewise graphs only, got mode {self.mode.value!r}")
         if self.capture_sizes is not None:
@@ -145,6 +150,14 @@ class GraphConfig:
         if self.capture_sizes is None:
             return default_capture_sizes(self.max_capture_size)
         return sorted(self.capture_sizes)
+
+    def single_modes(self) -> list[GraphConfig]:
+        """One config per kind of graph this one captures, in dispatch order (FULL before PIECEWISE)."""
+        if self.mode is GraphMode.NONE:
+            return []
+        if self.mode is not GraphMode.FULL_AND_PIECEWISE:
+            return [self]
+        return [replace(self, mode=GraphMode.FULL, compile=None), replace(self, mode=GraphMode.PIECEWISE)]
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ class LLM:
     SmolLM2-135M-Instruct. The KV cache takes `kv_cache_memory` bytes when given,
     else `kv_cache_memory_fraction` of the free device memory. `graph_mode` ("none";
     "full": whole uniform-decode steps; "piecewise": the layers between attention calls,
-    any step; default: the platform's, full on CUDA/NPU, none on CPU) and
+    any step; "full_and_piecewise": full where it fits, else piecewise; default: the
+    platform's, full on CUDA/NPU, none on CPU) and
     `graph_capture_sizes` (requests for full, tokens for piecewise) set graph capture;
     `graph_compile` runs piecewise pieces through torch.compile on the CPU (default:
     on); `enforce_eager` turns it all off.

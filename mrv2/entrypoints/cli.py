@@ -19,8 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
     g.add_argument("--device", default=None, help="cpu, cuda or npu (default: best available)")
     g.add_argument("--enforce-eager", action="store_true", help="no graph capture")
-    g.add_argument("--graph-mode", choices=["none", "piecewise", "full"], default=None,
-                   help="full: whole decode steps; piecewise: layers between attention calls, any step "
+    g.add_argument("--graph-mode", choices=["none", "piecewise", "full", "full_and_piecewise"], default=None,
+                   help="full: whole decode steps; piecewise: layers between attention calls, any step; "
+                        "full_and_piecewise: full where it fits, else piecewise "
                         "(default: the platform's, full on CUDA/NPU, none on CPU)")
     g.add_argument("--graph-capture-sizes", default=None,
                    help="comma-separated sizes to capture (requests for full, tokens for piecewise)")

@@ -67,7 +67,7 @@ class ModelRunner:
         self.graphs: ModelGraphs | None = None
         graph_config = config.graph or platform.default_graph_config()
         if not config.enforce_eager and graph_config.mode is not GraphMode.NONE:
-            self.graphs = ModelGraphs(graph_config, platform.graph_backend(graph_config), self.model, self.attn_backend,
+            self.graphs = ModelGraphs(graph_config, platform.graph_backend, self.model, self.attn_backend,
                                       self.inputs, self.max_num_reqs, self.max_num_tokens, self.max_model_len,
                                       self.block_size)
         self.kv_cache: KVCache | None = None

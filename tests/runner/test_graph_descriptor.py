@@ -23,6 +23,7 @@ def test_default_capture_sizes():
 @pytest.mark.parametrize("kwargs", [
     dict(mode="full"), dict(max_capture_size=0), dict(capture_sizes=()), dict(capture_sizes=[1, 2]),
     dict(capture_sizes=(1, 0)), dict(capture_sizes=(2, 2)), dict(capture_sizes=(1.5,)),
+    dict(mode=GraphMode.FULL, compile=True), dict(mode=GraphMode.NONE, compile=True),
 ])
 def test_invalid_config_raises(kwargs):
     with pytest.raises(ValueError):
@@ -32,6 +33,15 @@ def test_invalid_config_raises(kwargs):
 def test_config_sizes():
     assert GraphConfig().sizes == default_capture_sizes(64)
     assert GraphConfig(capture_sizes=(8, 1, 4)).sizes == [1, 4, 8]
+
+
+def test_single_modes():
+    assert GraphConfig(mode=NONE).single_modes() == []
+    assert GraphConfig(mode=FULL).single_modes() == [GraphConfig(mode=FULL)]
+    both = GraphConfig(mode=GraphMode.FULL_AND_PIECEWISE, capture_sizes=(1, 8), compile=True)
+    full, pieces = both.single_modes()
+    assert (full.mode, full.capture_sizes, full.compile) == (FULL, (1, 8), None)  # FULL graphs are never compiled
+    assert (pieces.mode, pieces.capture_sizes, pieces.compile) == (PIECEWISE, (1, 8), True)
 
 
 def test_full_descriptors_largest_first_and_smallest_fit():

@@ -37,7 +37,7 @@ def test_cpu_default_is_eager():
 def test_graph_path_gives_eager_tokens(eager, graphed, batch):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     graphs = graphed.engine.runner.graphs
-    assert [d.num_reqs for d in graphs.manager.descriptors] == [8, 4, 2, 1]
+    assert [d.num_reqs for d in graphs.descriptors] == [8, 4, 2, 1]
     before = graphs.num_replays
     want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS[:batch], params)]
     got = [o.outputs[0].token_ids for o in graphed.generate(PROMPTS[:batch], params)]
@@ -73,8 +73,8 @@ def test_piecewise_gives_eager_tokens_with_chunked_prefill(eager_chunked, piecew
     """Prefill chunks, mixed prefill/decode steps and decodes replay pieces; steps above 16 tokens run eagerly."""
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     graphs = piecewise.engine.runner.graphs
-    assert [d.num_tokens for d in graphs.manager.descriptors] == [16, 8, 4, 2, 1]
-    assert all(d.mode is GraphMode.PIECEWISE and d.num_reqs == 0 for d in graphs.manager.descriptors)
+    assert [d.num_tokens for d in graphs.descriptors] == [16, 8, 4, 2, 1]
+    assert all(d.mode is GraphMode.PIECEWISE and d.num_reqs == 0 for d in graphs.descriptors)
     step_sizes, plan = [], graphs.plan
     monkeypatch.setattr(graphs, "plan", lambda n: step_sizes.append(n.copy()) or plan(n))
     before = graphs.num_replays
@@ -87,3 +87,21 @@ def test_piecewise_gives_eager_tokens_with_chunked_prefill(eager_chunked, piecew
         # a replayed step mixing decodes and a prefill chunk
         assert any(n.sum() <= 16 and (n == 1).any() and (n > 1).any() for n in step_sizes)
     assert piecewise.engine.scheduler.block_pool.is_whole()
+
+
+def test_full_and_piecewise_replays_full_for_decodes_and_pieces_for_the_rest(eager_chunked, monkeypatch):
+    llm = LLM(**CHUNKED, graph_mode="full_and_piecewise", graph_capture_sizes=[1, 2, 4, 8, 16])
+    graphs = llm.engine.runner.graphs
+    # FULL sizes count requests (clamped to max_num_seqs 16), PIECEWISE sizes count tokens.
+    assert [(d.mode, d.num_tokens, d.num_reqs) for d in graphs.descriptors] == (
+        [(GraphMode.FULL, n, n) for n in (16, 8, 4, 2, 1)] + [(GraphMode.PIECEWISE, n, 0) for n in (16, 8, 4, 2, 1)])
+    step_sizes, plan = [], graphs.plan
+    monkeypatch.setattr(graphs, "plan", lambda n: step_sizes.append(n.copy()) or plan(n))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in eager_chunked.generate(PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+    decodes = sum((n == 1).all() for n in step_sizes)
+    others = sum(not (n == 1).all() and n.sum() <= 16 for n in step_sizes)
+    assert graphs.replays[GraphMode.FULL] == decodes > 0
+    assert graphs.replays[GraphMode.PIECEWISE] == others > 0
+    assert llm.engine.scheduler.block_pool.is_whole()

@@ -12,6 +12,10 @@ attention runs eagerly between them with the step's own metadata
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -28,45 +32,70 @@ _GRAPH_INPUTS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "s
 
 
 class ModelGraphs:
-    """Captured graphs of one model (FULL decode graphs or PIECEWISE segments), keyed by batch descriptor."""
+    """Captured graphs of one model, keyed by batch descriptor: FULL decode graphs, PIECEWISE pieces or both.
 
-    def __init__(self, config: GraphConfig, graph_backend: GraphBackend, model: nn.Module,
+    With both, a step replays a FULL graph when one fits it, else PIECEWISE pieces,
+    else runs eagerly. All graphs share one memory pool.
+    """
+
+    def __init__(self, config: GraphConfig, graph_backend: Callable[[GraphConfig], GraphBackend], model: nn.Module,
                  attn_backend: AttentionBackend, inputs: InputBuffers, max_num_reqs: int, max_num_tokens: int,
                  max_model_len: int, block_size: int) -> None:
-        if config.mode is GraphMode.NONE:
+        single_modes = config.single_modes()
+        if not single_modes:
             raise ValueError("graph mode NONE captures nothing; run eagerly instead")
         self.model, self.attn_backend, self.inputs = model, attn_backend, inputs
         self.block_size = block_size
         # Attention in a FULL graph is sized for the longest possible sequence, rounded to whole blocks.
         self.max_seq_len = -(-max_model_len // block_size) * block_size
-        self.dispatcher = GraphDispatcher(config, max_num_reqs, max_num_tokens)
-        if config.mode is GraphMode.FULL:
-            self.manager = GraphManager(graph_backend, GraphInputs.of(inputs, _GRAPH_INPUTS), self._static_metadata,
-                                        WholeForward(self._forward), [attn_backend])
-        else:
-            recorder = PiecewiseForward(model, inputs.input_ids, inputs.positions, attn_backend.build_metadata)
-            self.manager = GraphManager(graph_backend, GraphInputs.of(inputs, ("input_ids", "positions")),
-                                        lambda desc: None, recorder, [attn_backend])
-        self.num_replays = 0
+        self._tiers: list[tuple[GraphDispatcher, GraphManager]] = []
+        pool = None
+        for cfg in single_modes:
+            manager = self._manager(cfg.mode, graph_backend(cfg), pool)
+            pool = manager.pool
+            self._tiers.append((GraphDispatcher(cfg, max_num_reqs, max_num_tokens), manager))
+        self.replays: Counter[GraphMode] = Counter()
+
+    def _manager(self, mode: GraphMode, backend: GraphBackend, pool: Any) -> GraphManager:
+        if mode is GraphMode.FULL:
+            return GraphManager(backend, GraphInputs.of(self.inputs, _GRAPH_INPUTS), self._static_metadata,
+                                WholeForward(self._forward), [self.attn_backend], pool)
+        recorder = PiecewiseForward(self.model, self.inputs.input_ids, self.inputs.positions,
+                                    self.attn_backend.build_metadata)
+        return GraphManager(backend, GraphInputs.of(self.inputs, ("input_ids", "positions")), lambda desc: None,
+                            recorder, [self.attn_backend], pool)
+
+    @property
+    def descriptors(self) -> list[BatchDescriptor]:
+        """Every captured descriptor, in capture order."""
+        return [desc for _, manager in self._tiers for desc in manager.descriptors]
+
+    @property
+    def num_replays(self) -> int:
+        return sum(self.replays.values())
 
     @torch.inference_mode()
     def capture(self) -> None:
-        self.manager.capture(self.dispatcher.descriptors)
+        for dispatcher, manager in self._tiers:
+            manager.capture(dispatcher.descriptors)
 
     def plan(self, num_scheduled: np.ndarray) -> tuple[BatchDescriptor | None, StepPadding | None]:
         """The captured descriptor this step replays and the padding it needs; (None, None) for eager."""
         q = int(num_scheduled[0])
         uniform = q if (num_scheduled == q).all() else 0
-        desc = self.dispatcher.dispatch(int(num_scheduled.sum()), len(num_scheduled), uniform)
-        if desc.mode is GraphMode.NONE or not self.manager.has(desc):
-            return None, None
-        if desc.mode is GraphMode.PIECEWISE:  # tokens only: attention sees the real batch
-            return desc, StepPadding(len(num_scheduled), desc.num_tokens, None)
-        return desc, StepPadding(desc.num_reqs, desc.num_tokens, self.max_seq_len)
+        for dispatcher, manager in self._tiers:
+            desc = dispatcher.dispatch(int(num_scheduled.sum()), len(num_scheduled), uniform)
+            if desc.mode is GraphMode.NONE or not manager.has(desc):
+                continue
+            if desc.mode is GraphMode.PIECEWISE:  # tokens only: attention sees the real batch
+                return desc, StepPadding(len(num_scheduled), desc.num_tokens, None)
+            return desc, StepPadding(desc.num_reqs, desc.num_tokens, self.max_seq_len)
+        return None, None
 
     def run(self, desc: BatchDescriptor, common: CommonAttentionMetadata) -> torch.Tensor:
-        self.num_replays += 1
-        return self.manager.replay(desc, common)
+        self.replays[desc.mode] += 1
+        manager = next(m for _, m in self._tiers if m.has(desc))
+        return manager.replay(desc, common)
 
     def _static_metadata(self, desc: BatchDescriptor) -> CommonAttentionMetadata:
         b, t, q = desc.num_reqs, desc.num_tokens, desc.uniform_decode_len
