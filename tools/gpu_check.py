@@ -3,8 +3,8 @@
 Run from the repository root (`python tools/gpu_check.py --device cuda`). Builds
 random-weight checkpoints locally (a tiny Llama, tiny DeepSeek-V2/V3, and a Llama with
 SmolLM2-135M's exact shapes: the real weights cannot travel to a lent machine), then for
-each, eager, with FULL decode graphs and with PIECEWISE graphs: greedy tokens from mrv2
-vs transformers, fp32; and decode step times of the three at batch 1, 8 and 64 for the
+each, eager, with FULL decode graphs, PIECEWISE graphs and both: greedy tokens from mrv2
+vs transformers, fp32; and decode step times of each at batch 1, 8 and 64 for the
 SmolLM2-shaped model. An engine that fails to build or run is reported and counted, and
 the check goes on. Needs only torch, transformers, safetensors and numpy; the tokenizer
 files come from `--tokenizer DIR`.
@@ -32,7 +32,8 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
                rms_norm_eps=1e-5, tie_word_embeddings=True)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
-MODES = {"eager": {"enforce_eager": True}, "full": {"graph_mode": "full"}, "piecewise": {"graph_mode": "piecewise"}}
+MODES = {"eager": {"enforce_eager": True}, "full": {"graph_mode": "full"}, "piecewise": {"graph_mode": "piecewise"},
+         "full+pw": {"graph_mode": "full_and_piecewise"}}
 DEEPSEEK = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=16,
                 qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
@@ -80,7 +81,8 @@ def main() -> int:
         engines = {}
         for name, kw in MODES.items():
             try:
-                llm = LLM(model=str(folder), device=args.device, dtype="float32", max_num_batched_tokens=256,
+                # 64-token chunks: prefill chunks and mixed steps fit the piecewise sizes too.
+                llm = LLM(model=str(folder), device=args.device, dtype="float32", max_num_batched_tokens=64,
                           max_model_len=512, max_num_seqs=64, kv_cache_memory=512 << 20, **kw)
                 outs = llm.generate([{"prompt_token_ids": q} for q in prompts],
                                     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))

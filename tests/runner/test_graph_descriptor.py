@@ -42,6 +42,8 @@ def test_single_modes():
     full, pieces = both.single_modes()
     assert (full.mode, full.capture_sizes, full.compile) == (FULL, (1, 8), None)  # FULL graphs are never compiled
     assert (pieces.mode, pieces.capture_sizes, pieces.compile) == (PIECEWISE, (1, 8), True)
+    with pytest.raises(ValueError, match="single_modes"):
+        GraphDispatcher(both, max_num_reqs=8, max_num_tokens=8)
 
 
 def test_full_descriptors_largest_first_and_smallest_fit():

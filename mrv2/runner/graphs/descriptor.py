@@ -19,6 +19,8 @@ captured descriptor it fits and padded up to it:
   attention metadata keeps the real num_tokens, query_start_loc and slot mapping.
 - Anything else (mode NONE, batches above the largest size, mixed batches in FULL
   mode) gets a NONE descriptor carrying the real sizes: run eagerly, no padding.
+
+FULL_AND_PIECEWISE uses one dispatcher per mode (`GraphConfig.single_modes()`), FULL first.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class GraphDispatcher:
             raise ValueError(f"max_num_reqs and max_num_tokens must be positive, got {max_num_reqs}, {max_num_tokens}")
         if decode_query_len <= 0:
             raise ValueError(f"decode_query_len must be positive, got {decode_query_len}")
+        if config.mode is GraphMode.FULL_AND_PIECEWISE:
+            raise ValueError("a dispatcher serves one mode: one per GraphConfig.single_modes()")
         self.config = config
         self.decode_query_len = q = decode_query_len
         if config.mode is GraphMode.FULL:
