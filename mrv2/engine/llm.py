@@ -12,9 +12,9 @@ from mrv2.sampling_params import SamplingParams
 Prompt = str | dict[str, Any]
 
 
-def _graph_mode(name: str | None) -> GraphMode:
-    if name is None:
-        return GraphMode.FULL
+def _graph_mode(name: str | None, compile: bool | None) -> GraphMode:
+    if name is None:  # other graph options given without a mode; compiling only applies to pieces
+        return GraphMode.PIECEWISE if compile else GraphMode.FULL
     try:
         return GraphMode(name.lower())
     except ValueError:
@@ -51,7 +51,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill),
             graph=None if (graph_mode, graph_capture_sizes, graph_compile) == (None, None, None) else GraphConfig(
-                mode=_graph_mode(graph_mode),
+                mode=_graph_mode(graph_mode, graph_compile),
                 capture_sizes=tuple(graph_capture_sizes) if graph_capture_sizes is not None else None,
                 compile=graph_compile),
             enforce_eager=enforce_eager, device=device,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mrv2 import LLM, SamplingParams
+from mrv2.config import GraphMode
 
 PROMPTS = [
     "The capital of France is",
@@ -192,3 +193,24 @@ def test_unknown_model_path_names_the_path(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(ValueError, match=str(missing)):
         LLM(model=str(missing))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(graph_mode="sometimes"), "graph_mode"),
+    (dict(graph_mode="full", graph_compile=True), "piecewise"),
+    (dict(graph_capture_sizes=[0]), "capture_sizes"),
+])
+def test_bad_graph_options_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(max_model_len=64, kv_cache_memory=1 << 24, **kwargs)
+
+
+def test_graph_options_without_a_mode():
+    """Capture sizes alone mean FULL graphs; asking to compile alone means (compiled) PIECEWISE pieces."""
+    sizes = LLM(max_model_len=64, kv_cache_memory=1 << 24, graph_capture_sizes=[2, 1], graph_compile=False)
+    assert {d.mode for d in sizes.engine.runner.graphs.descriptors} == {GraphMode.FULL}
+    compiled = LLM(max_model_len=64, kv_cache_memory=1 << 24, graph_capture_sizes=[1], graph_compile=True)
+    assert [d.mode for d in compiled.engine.runner.graphs.descriptors] == [GraphMode.PIECEWISE]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    assert (compiled.generate("Hello", params)[0].outputs[0].token_ids
+            == sizes.generate("Hello", params)[0].outputs[0].token_ids)
