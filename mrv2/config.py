@@ -112,20 +112,35 @@ def default_capture_sizes(max_size: int) -> list[int]:
     return sorted(sizes)
 
 
+def default_seq_len_buckets(max_seq_len: int) -> list[int]:
+    """256, 1024, 4096, ... (x4) below `max_seq_len`, then `max_seq_len` itself."""
+    if max_seq_len <= 0:
+        raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    buckets, b = [], 256
+    while b < max_seq_len:
+        buckets.append(b)
+        b *= 4
+    return buckets + [max_seq_len]
+
+
 @dataclass(frozen=True)
 class GraphConfig:
     """Graph capture settings.
 
     `capture_sizes` count requests in FULL mode and tokens in PIECEWISE mode; None
-    means `default_capture_sizes(max_capture_size)`. `compile` runs PIECEWISE
-    pieces through torch.compile on devices without graph capture (the CPU); None
-    lets the platform choose (the CPU compiles them).
+    means `default_capture_sizes(max_capture_size)`. A FULL graph attends over a
+    fixed number of keys per request, so FULL graphs are also captured per bucket of
+    the batch's longest sequence: `seq_len_buckets` (rounded up to whole blocks, capped
+    at max_model_len; None means `default_seq_len_buckets(max_model_len)`). `compile`
+    runs PIECEWISE pieces through torch.compile on devices without graph capture (the
+    CPU); None lets the platform choose (the CPU compiles them).
     """
 
     mode: GraphMode = GraphMode.FULL
     capture_sizes: tuple[int, ...] | None = None
     max_capture_size: int = 64
     compile: bool | None = None
+    seq_len_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, GraphMode):
@@ -143,6 +158,10 @@ class GraphConfig:
                 raise ValueError(f"capture_sizes must be positive integers, got {sizes}")
             if len(set(sizes)) != len(sizes):
                 raise ValueError(f"capture_sizes must be distinct, got {sizes}")
+        buckets = self.seq_len_buckets
+        if buckets is not None and (not isinstance(buckets, tuple) or not buckets
+                                    or any(not isinstance(b, int) or b <= 0 for b in buckets)):
+            raise ValueError(f"seq_len_buckets must be a non-empty tuple of positive integers, got {buckets!r}")
 
     @property
     def sizes(self) -> list[int]:
@@ -150,6 +169,15 @@ class GraphConfig:
         if self.capture_sizes is None:
             return default_capture_sizes(self.max_capture_size)
         return sorted(self.capture_sizes)
+
+    def key_lengths(self, max_model_len: int, block_size: int) -> list[int]:
+        """The FULL graphs' key lengths, ascending: buckets in whole blocks, the last one covering max_model_len."""
+        def blocks(n: int) -> int:
+            return -(-n // block_size) * block_size
+
+        limit = blocks(max_model_len)
+        buckets = default_seq_len_buckets(limit) if self.seq_len_buckets is None else self.seq_len_buckets
+        return sorted({min(blocks(b), limit) for b in buckets} | {limit})
 
     def single_modes(self) -> list[GraphConfig]:
         """One config per kind of graph this one captures, in dispatch order (FULL before PIECEWISE)."""

@@ -154,7 +154,8 @@ class ModelRunner:
                 self._pending = None
                 return
             req_ids, idx, num_scheduled = self._batch_order(sched)
-            desc, padding = self.graphs.plan(num_scheduled) if self.graphs else (None, None)
+            seq_lens = self.states.num_computed_cpu[idx] + num_scheduled
+            desc, padding = self.graphs.plan(num_scheduled, seq_lens) if self.graphs else (None, None)
             batch = self.inputs.prepare(req_ids, idx, num_scheduled, self.states, self.block_tables, padding)
             attn_metadata = None if desc else self.attn_backend.build_metadata(batch.attn)
         with self.timing.phase("forward"):

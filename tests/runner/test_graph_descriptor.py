@@ -35,6 +35,28 @@ def test_config_sizes():
     assert GraphConfig(capture_sizes=(8, 1, 4)).sizes == [1, 4, 8]
 
 
+def test_key_lengths():
+    assert GraphConfig().key_lengths(8192, 16) == [256, 1024, 4096, 8192]
+    assert GraphConfig().key_lengths(154, 16) == [160]  # whole blocks
+    assert GraphConfig(seq_len_buckets=(30, 100, 9999)).key_lengths(256, 16) == [32, 112, 256]
+    with pytest.raises(ValueError):
+        GraphConfig(seq_len_buckets=(0,))
+
+
+def test_full_dispatch_by_key_length():
+    d = GraphDispatcher(GraphConfig(capture_sizes=(1, 4)), max_num_reqs=8, max_num_tokens=64, key_lengths=(64, 256))
+    assert [(x.num_reqs, x.max_seq_len) for x in d.descriptors] == [(4, 256), (4, 64), (1, 256), (1, 64)]
+    assert d.dispatch(3, 3, 1, 50) == BatchDescriptor(FULL, 4, 4, 1, 64)
+    assert d.dispatch(3, 3, 1, 64) == BatchDescriptor(FULL, 4, 4, 1, 64)
+    assert d.dispatch(3, 3, 1, 65) == BatchDescriptor(FULL, 4, 4, 1, 256)
+    assert d.dispatch(3, 3, 1, 257).mode is NONE  # longer than every bucket: eager
+    p = GraphDispatcher(GraphConfig(mode=PIECEWISE, capture_sizes=(8,)), 8, 64, key_lengths=(64, 256))
+    assert p.dispatch(3, 3, 1, 1000) == BatchDescriptor(PIECEWISE, 8, 0, 0)  # attention is not captured
+    for bad in ((), (256, 64), (64, 64), (-1,)):
+        with pytest.raises(ValueError):
+            GraphDispatcher(GraphConfig(), 8, 64, key_lengths=bad)
+
+
 def test_single_modes():
     assert GraphConfig(mode=NONE).single_modes() == []
     assert GraphConfig(mode=FULL).single_modes() == [GraphConfig(mode=FULL)]

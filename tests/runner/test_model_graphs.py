@@ -76,7 +76,7 @@ def test_piecewise_gives_eager_tokens_with_chunked_prefill(eager_chunked, piecew
     assert [d.num_tokens for d in graphs.descriptors] == [16, 8, 4, 2, 1]
     assert all(d.mode is GraphMode.PIECEWISE and d.num_reqs == 0 for d in graphs.descriptors)
     step_sizes, plan = [], graphs.plan
-    monkeypatch.setattr(graphs, "plan", lambda n: step_sizes.append(n.copy()) or plan(n))
+    monkeypatch.setattr(graphs, "plan", lambda n, lens: step_sizes.append(n.copy()) or plan(n, lens))
     before = graphs.num_replays
     want = [o.outputs[0].token_ids for o in eager_chunked.generate(PROMPTS[:batch], params)]
     got = [o.outputs[0].token_ids for o in piecewise.generate(PROMPTS[:batch], params)]
@@ -96,7 +96,7 @@ def test_full_and_piecewise_replays_full_for_decodes_and_pieces_for_the_rest(eag
     assert [(d.mode, d.num_tokens, d.num_reqs) for d in graphs.descriptors] == (
         [(GraphMode.FULL, n, n) for n in (16, 8, 4, 2, 1)] + [(GraphMode.PIECEWISE, n, 0) for n in (16, 8, 4, 2, 1)])
     step_sizes, plan = [], graphs.plan
-    monkeypatch.setattr(graphs, "plan", lambda n: step_sizes.append(n.copy()) or plan(n))
+    monkeypatch.setattr(graphs, "plan", lambda n, lens: step_sizes.append(n.copy()) or plan(n, lens))
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in eager_chunked.generate(PROMPTS, params)]
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
@@ -105,3 +105,30 @@ def test_full_and_piecewise_replays_full_for_decodes_and_pieces_for_the_rest(eag
     assert graphs.replays[GraphMode.FULL] == decodes > 0
     assert graphs.replays[GraphMode.PIECEWISE] == others > 0
     assert llm.engine.scheduler.block_pool.is_whole()
+
+
+def test_full_graphs_per_key_length_bucket(monkeypatch):
+    """max_model_len 512: FULL graphs for keys 256 and 512; decodes pick the bucket of their longest sequence."""
+    kwargs = dict(max_model_len=512, max_num_seqs=4, kv_cache_memory=64 << 20)
+    eager = LLM(**kwargs, enforce_eager=True)
+    full = LLM(**kwargs, graph_mode="full", graph_capture_sizes=[1, 2, 4])
+    graphs = full.engine.runner.graphs
+    assert [(d.num_reqs, d.max_seq_len) for d in graphs.descriptors] == [
+        (4, 512), (4, 256), (2, 512), (2, 256), (1, 512), (1, 256)]
+    chosen, plan = [], graphs.plan
+
+    def spy(num_scheduled, seq_lens):
+        desc, padding = plan(num_scheduled, seq_lens)
+        chosen.append((int(seq_lens.max()), desc))
+        return desc, padding
+
+    monkeypatch.setattr(graphs, "plan", spy)
+    long_prompt = {"prompt_token_ids": [(i * 37) % 5000 + 10 for i in range(248)]}
+    prompts = [long_prompt, PROMPTS[0], PROMPTS[1]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in full.generate(prompts, params)] == want
+    replayed = [(longest, desc.max_seq_len) for longest, desc in chosen if desc is not None]
+    assert all(longest <= keys and (keys == 256 or longest > 256) for longest, keys in replayed)
+    assert {keys for _, keys in replayed} == {256, 512}  # the long prompt crossed 256 while decoding
+    assert full.engine.scheduler.block_pool.is_whole()

@@ -5,8 +5,10 @@ captured descriptor it fits and padded up to it:
 
 - FULL graphs hold the whole forward, attention included, and serve only uniform
   decode batches (every request has the same query length q, 1 without speculation).
-  Descriptor (FULL, n*q, n, q) with n the smallest capture size >= num_reqs. The
-  runner pads requests and tokens:
+  Descriptor (FULL, n*q, n, q, L) with n the smallest capture size >= num_reqs and
+  L the smallest key length >= the step's longest sequence: attention in a graph
+  reads a fixed L keys per request, so L is bucketed rather than always max_model_len
+  (steps longer than every bucket run eagerly). The runner pads requests and tokens:
     * padded requests get query length q each (`pad_query_start_loc`), sequence
       length 0 and block-table rows of valid block ids (0, the null block);
     * padded tokens read token id 0 at position 0 and their slot-mapping entries
@@ -26,6 +28,7 @@ FULL_AND_PIECEWISE uses one dispatcher per mode (`GraphConfig.single_modes()`), 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,12 +38,13 @@ from mrv2.config import GraphConfig, GraphMode, default_capture_sizes  # noqa: F
 
 @dataclass(frozen=True)
 class BatchDescriptor:
-    """The key of one captured graph: padded sizes and the uniform query length (0: mixed)."""
+    """The key of one captured graph: padded sizes, the uniform query length (0: mixed), the key length."""
 
     mode: GraphMode
     num_tokens: int
     num_reqs: int
     uniform_decode_len: int = 0
+    max_seq_len: int = 0  # FULL: keys attended per request; 0 where attention is not captured
 
 
 def _clamp(sizes: list[int], limit: int) -> list[int]:
@@ -60,31 +64,37 @@ class GraphDispatcher:
     """
 
     def __init__(self, config: GraphConfig, max_num_reqs: int, max_num_tokens: int,
-                 decode_query_len: int = 1) -> None:
+                 decode_query_len: int = 1, key_lengths: Sequence[int] = (0,)) -> None:
         if max_num_reqs <= 0 or max_num_tokens <= 0:
             raise ValueError(f"max_num_reqs and max_num_tokens must be positive, got {max_num_reqs}, {max_num_tokens}")
         if decode_query_len <= 0:
             raise ValueError(f"decode_query_len must be positive, got {decode_query_len}")
         if config.mode is GraphMode.FULL_AND_PIECEWISE:
             raise ValueError("a dispatcher serves one mode: one per GraphConfig.single_modes()")
+        if not key_lengths or list(key_lengths) != sorted(set(key_lengths)) or key_lengths[0] < 0:
+            raise ValueError(f"key_lengths must be distinct, ascending and non-negative, got {key_lengths}")
         self.config = config
         self.decode_query_len = q = decode_query_len
+        # FULL only: 0 alone means one key length fixed by the caller, not dispatched on.
+        self._keys = list(key_lengths) if config.mode is GraphMode.FULL else [0]
         if config.mode is GraphMode.FULL:
             self._sizes = _clamp(config.sizes, min(max_num_reqs, max_num_tokens // q))
         elif config.mode is GraphMode.PIECEWISE:
             self._sizes = _clamp(config.sizes, max_num_tokens)
         else:
             self._sizes = []
-        self.descriptors = [self._descriptor(s) for s in reversed(self._sizes)]
+        self._table = {(s, k): self._descriptor(s, k) for s in self._sizes for k in self._keys}
+        self.descriptors = sorted(self._table.values(), key=lambda d: (d.num_tokens, d.max_seq_len), reverse=True)
 
-    def _descriptor(self, size: int) -> BatchDescriptor:
+    def _descriptor(self, size: int, key_len: int) -> BatchDescriptor:
         if self.config.mode is GraphMode.FULL:
             q = self.decode_query_len
-            return BatchDescriptor(GraphMode.FULL, size * q, size, q)
+            return BatchDescriptor(GraphMode.FULL, size * q, size, q, key_len)
         return BatchDescriptor(GraphMode.PIECEWISE, size, 0, 0)
 
-    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode_len: int) -> BatchDescriptor:
-        """The descriptor to replay for a step, or a NONE descriptor with the real sizes."""
+    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode_len: int,
+                 max_seq_len: int = 0) -> BatchDescriptor:
+        """The descriptor to replay for a step (longest sequence `max_seq_len`), or NONE with the real sizes."""
         if num_reqs <= 0 or num_tokens < num_reqs:
             raise ValueError(f"need 0 < num_reqs <= num_tokens, got num_reqs={num_reqs}, num_tokens={num_tokens}")
         mode = self.config.mode
@@ -92,12 +102,13 @@ class GraphDispatcher:
             q = self.decode_query_len
             if uniform_decode_len == q and num_tokens == num_reqs * q:
                 i = bisect.bisect_left(self._sizes, num_reqs)
-                if i < len(self._sizes):
-                    return self.descriptors[len(self._sizes) - 1 - i]
+                j = 0 if self._keys == [0] else bisect.bisect_left(self._keys, max_seq_len)
+                if i < len(self._sizes) and j < len(self._keys):
+                    return self._table[self._sizes[i], self._keys[j]]
         elif mode is GraphMode.PIECEWISE:
             i = bisect.bisect_left(self._sizes, num_tokens)
             if i < len(self._sizes):
-                return self.descriptors[len(self._sizes) - 1 - i]
+                return self._table[self._sizes[i], 0]
         return BatchDescriptor(GraphMode.NONE, num_tokens, num_reqs, uniform_decode_len)
 
 

@@ -135,7 +135,7 @@ class GraphManager:
 
     def capture(self, descriptors: Iterable[BatchDescriptor]) -> None:
         """Capture every descriptor, largest first, so smaller graphs reuse the pool's memory."""
-        todo = sorted(descriptors, key=lambda d: (d.num_tokens, d.num_reqs), reverse=True)
+        todo = sorted(descriptors, key=lambda d: (d.num_tokens, d.num_reqs, d.max_seq_len), reverse=True)
         for desc in todo:
             if desc.mode is GraphMode.NONE:
                 raise ValueError(f"{desc} is eager and cannot be captured")

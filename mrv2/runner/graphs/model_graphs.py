@@ -2,8 +2,9 @@
 
 FULL graphs of uniform decode steps hold the whole forward, attention metadata
 included: `build_metadata` runs inside the captured callable over the persistent
-buffers, sized by `max_model_len` (static shapes), so a replay recomputes masks and
-gather indices from whatever the step wrote into the buffers.
+buffers, sized by the descriptor's key length (static shapes: one graph per bucket of
+the longest sequence), so a replay recomputes masks and gather indices from whatever
+the step wrote into the buffers.
 
 PIECEWISE graphs hold the segments between attention calls, per padded token count;
 attention runs eagerly between them with the step's own metadata
@@ -46,14 +47,14 @@ class ModelGraphs:
             raise ValueError("graph mode NONE captures nothing; run eagerly instead")
         self.model, self.attn_backend, self.inputs = model, attn_backend, inputs
         self.block_size = block_size
-        # Attention in a FULL graph is sized for the longest possible sequence, rounded to whole blocks.
-        self.max_seq_len = -(-max_model_len // block_size) * block_size
         self._tiers: list[tuple[GraphDispatcher, GraphManager]] = []
         pool = None
         for cfg in single_modes:
             manager = self._manager(cfg.mode, graph_backend(cfg), pool)
             pool = manager.pool
-            self._tiers.append((GraphDispatcher(cfg, max_num_reqs, max_num_tokens), manager))
+            # Attention in a FULL graph reads a fixed number of keys: one graph per key-length bucket.
+            keys = cfg.key_lengths(max_model_len, block_size) if cfg.mode is GraphMode.FULL else (0,)
+            self._tiers.append((GraphDispatcher(cfg, max_num_reqs, max_num_tokens, key_lengths=keys), manager))
         self.replays: Counter[GraphMode] = Counter()
 
     def _manager(self, mode: GraphMode, backend: GraphBackend, pool: Any) -> GraphManager:
@@ -79,17 +80,21 @@ class ModelGraphs:
         for dispatcher, manager in self._tiers:
             manager.capture(dispatcher.descriptors)
 
-    def plan(self, num_scheduled: np.ndarray) -> tuple[BatchDescriptor | None, StepPadding | None]:
-        """The captured descriptor this step replays and the padding it needs; (None, None) for eager."""
+    def plan(self, num_scheduled: np.ndarray,
+             seq_lens: np.ndarray) -> tuple[BatchDescriptor | None, StepPadding | None]:
+        """The captured descriptor a step replays and the padding it needs; (None, None) for eager.
+
+        `seq_lens` are the requests' sequence lengths after the step (host upper bounds).
+        """
         q = int(num_scheduled[0])
         uniform = q if (num_scheduled == q).all() else 0
         for dispatcher, manager in self._tiers:
-            desc = dispatcher.dispatch(int(num_scheduled.sum()), len(num_scheduled), uniform)
+            desc = dispatcher.dispatch(int(num_scheduled.sum()), len(num_scheduled), uniform, int(seq_lens.max()))
             if desc.mode is GraphMode.NONE or not manager.has(desc):
                 continue
             if desc.mode is GraphMode.PIECEWISE:  # tokens only: attention sees the real batch
                 return desc, StepPadding(len(num_scheduled), desc.num_tokens, None)
-            return desc, StepPadding(desc.num_reqs, desc.num_tokens, self.max_seq_len)
+            return desc, StepPadding(desc.num_reqs, desc.num_tokens, desc.max_seq_len)
         return None, None
 
     def run(self, desc: BatchDescriptor, common: CommonAttentionMetadata) -> torch.Tensor:
@@ -100,11 +105,12 @@ class ModelGraphs:
     def _static_metadata(self, desc: BatchDescriptor) -> CommonAttentionMetadata:
         b, t, q = desc.num_reqs, desc.num_tokens, desc.uniform_decode_len
         buf = self.inputs
+        keys = desc.max_seq_len
         return CommonAttentionMetadata(
-            num_reqs=b, num_tokens=t, num_decodes=b if q == 1 else 0, max_query_len=q, max_seq_len=self.max_seq_len,
+            num_reqs=b, num_tokens=t, num_decodes=b if q == 1 else 0, max_query_len=q, max_seq_len=keys,
             query_start_loc=buf.query_start_loc[:b + 1], seq_lens=buf.seq_lens[:b], block_table=buf.block_table[:b],
             slot_mapping=buf.slot_mapping[:t], query_start_loc_cpu=np.arange(b + 1) * q,
-            seq_lens_cpu=np.full(b, self.max_seq_len), block_size=self.block_size, static_shapes=True)
+            seq_lens_cpu=np.full(b, keys), block_size=self.block_size, static_shapes=True)
 
     def _forward(self, desc: BatchDescriptor, common: CommonAttentionMetadata) -> torch.Tensor:
         t = desc.num_tokens
