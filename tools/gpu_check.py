@@ -83,7 +83,7 @@ def main() -> int:
             try:
                 # 64-token chunks: prefill chunks and mixed steps fit the piecewise sizes too.
                 llm = LLM(model=str(folder), device=args.device, dtype="float32", max_num_batched_tokens=64,
-                          max_model_len=512, max_num_seqs=64, kv_cache_memory=512 << 20, **kw)
+                          max_model_len=512, max_num_seqs=64, kv_cache_memory=2 << 30, **kw)
                 outs = llm.generate([{"prompt_token_ids": q} for q in prompts],
                                     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
             except Exception as e:  # report and go on: one failing mode should not hide the others
@@ -99,7 +99,12 @@ def main() -> int:
                   f"block pool whole: {whole}; graph replays: {replays}")
         if kind == "smollm2-shaped" and "eager" in engines:
             for batch in (1, 8, 64):
-                ms = {n: decode_step_ms(llm, batch, 128, 20) for n, llm in engines.items()}
+                try:
+                    ms = {n: decode_step_ms(llm, batch, 128, 20) for n, llm in engines.items()}
+                except Exception as e:
+                    failures += 1
+                    print(f"  decode step, batch {batch:2d}: FAILED: {type(e).__name__}: {e}")
+                    continue
                 cols = ", ".join(f"{n} {t:.2f} ms" for n, t in ms.items())
                 ratios = ", ".join(f"eager/{n} {ms['eager'] / t:.2f}x" for n, t in ms.items() if n != "eager")
                 print(f"  decode step, batch {batch:2d}, context 128: {cols} ({ratios})")
