@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mrv2 import LLM, SamplingParams  # noqa: E402
 from mrv2.bench.decode import decode_step_ms  # noqa: E402
+from mrv2.config import default_capture_sizes  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
@@ -81,9 +82,11 @@ def main() -> int:
         engines = {}
         for name, kw in MODES.items():
             try:
-                # 64-token chunks: prefill chunks and mixed steps fit the piecewise sizes too.
-                llm = LLM(model=str(folder), device=args.device, dtype="float32", max_num_batched_tokens=64,
-                          max_model_len=512, max_num_seqs=64, kv_cache_memory=2 << 30, **kw)
+                # 128-token chunks and capture sizes up to 128: prefill chunks and mixed steps replay
+                # pieces too (FULL sizes stop at max_num_seqs).
+                llm = LLM(model=str(folder), device=args.device, dtype="float32", max_num_batched_tokens=128,
+                          max_model_len=512, max_num_seqs=64, kv_cache_memory=2 << 30,
+                          graph_capture_sizes=None if "enforce_eager" in kw else default_capture_sizes(128), **kw)
                 outs = llm.generate([{"prompt_token_ids": q} for q in prompts],
                                     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
             except Exception as e:  # report and go on: one failing mode should not hide the others

@@ -32,42 +32,39 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"graph modes to time against eager: some of {', '.join(_MODES)}")
 
 
-def prefill_steps(batch: int, context: int, budget: int) -> int:
-    """Steps the scheduler needs to prefill `batch` prompts of `context` tokens under a token budget."""
-    return -(-batch * context // budget)
-
-
 def decode_step_ms(llm, batch: int, context: int, steps: int) -> float:
     """Median wall time of one decode step at `batch` requests of `context` prompt tokens.
 
     Requests that finish prefill early decode while the others still prefill, so each
-    asks for enough tokens to be still running, all `batch` of them, in the timed steps.
+    may generate up to max_model_len; all `batch` must be running in the timed steps
+    (else ValueError), and they are aborted afterwards.
     """
     engine = llm.engine
     from mrv2 import SamplingParams
 
     rng = np.random.default_rng(0)
     vocab = engine.runner.model.config.vocab_size
-    budget = engine.config.scheduler.max_num_batched_tokens
-    params = SamplingParams(temperature=0, max_tokens=steps + 4 + prefill_steps(batch, context, budget),
-                            ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=engine.config.max_model_len - context, ignore_eos=True)
+    ids = []
     for _ in range(batch):
         prompt = rng.integers(3, min(vocab, 30000), context).tolist()
-        engine.add_request(engine.make_request({"prompt_token_ids": prompt}, params))
+        request = engine.make_request({"prompt_token_ids": prompt}, params)
+        engine.add_request(request)
+        ids.append(request.req_id)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
         engine.step()  # prefill, not timed
     engine.step()  # one warm-up decode
-    if len(engine.scheduler.running) != batch:
-        raise ValueError(f"only {len(engine.scheduler.running)} of {batch} requests are running after prefill: "
-                         f"raise max_model_len or the KV cache size")
     samples = []
     for _ in range(steps):
+        if len(engine.scheduler.running) != batch:
+            engine.abort(ids)
+            raise ValueError(f"only {len(engine.scheduler.running)} of {batch} requests are running: "
+                             f"raise max_model_len, the KV cache size or max_num_batched_tokens")
         engine.platform.synchronize()
         t0 = time.perf_counter()
         engine.step()
         samples.append(time.perf_counter() - t0)
-    while engine.has_unfinished_requests():
-        engine.step()
+    engine.abort(ids)
     return 1e3 * float(np.median(samples))
 
 
@@ -80,8 +77,11 @@ def run(args: argparse.Namespace) -> int:
     if not modes or any(m not in _MODES for m in modes):
         raise ValueError(f"--modes must list some of {', '.join(_MODES)}, got {args.modes!r}")
     kwargs = engine_kwargs(args)
-    needed = args.context + args.steps + 16 + prefill_steps(max(sizes), args.context, args.max_num_batched_tokens)
-    kwargs.update(max_num_seqs=max(sizes), max_model_len=kwargs["max_model_len"] or needed, enforce_eager=False)
+    # Room for the prefill steps (decodes of early requests share their budget) and the timed steps.
+    b = max(sizes)
+    prefill = -(-b * args.context // max(args.max_num_batched_tokens - b, 1)) + 1
+    kwargs.update(max_num_seqs=b, max_model_len=kwargs["max_model_len"] or args.context + prefill + args.steps + 16,
+                  enforce_eager=False)
     # Decode steps have as many tokens as requests, so one list serves both modes.
     engines = {"eager": LLM(**kwargs | {"enforce_eager": True})}
     for mode in modes:
