@@ -5,7 +5,7 @@ decode graphs, PIECEWISE segments) captured at the measured batch sizes, each ti
 the median of `--steps` decode steps at batch 1, 8 and 64 (by default) after a
 prefill of `--context` tokens, interleaved per batch size.
 On the CPU, FULL graphs re-run the forward eagerly, so that column is what padding and
-attention sized for max_model_len cost; PIECEWISE pieces are torch.compile'd there, and
+attention sized for the key-length bucket cost; PIECEWISE pieces are torch.compile'd there, and
 `piecewise-eager` runs them uncompiled, which isolates what compiling buys. On CUDA
 the columns are CUDA-graph replays.
 """
