@@ -209,3 +209,20 @@ def test_workspaces_are_released_after_capture(backend):
     assert all(ref() is not None for ref in params.values())
     assert m.replay(full(4), 2.0).tolist() == [0.0, 2.0, 4.0, 6.0]
     assert m.replay(full(64), 0.5).tolist() == (x * 0.5).tolist()
+
+
+def test_capture_failure_names_the_descriptor_and_releases_hooks():
+    log = []
+    graphs = RecordingGraphBackend(log)
+    attn = RecordingAttention(log, graphs)
+
+    def forward(desc, metadata):
+        if desc.num_tokens == 2:
+            raise NotImplementedError("no kernel for this size")
+        return torch.zeros(desc.num_tokens)
+
+    m = GraphManager(graphs, GraphInputs({}), lambda d: None, WholeForward(forward), [attn])
+    with pytest.raises(RuntimeError, match=r"num_tokens=2.*NotImplementedError: no kernel.*enforce_eager"):
+        m.capture([full(4), full(2), full(1)])
+    assert ("after", full(2)) in log  # the after-capture hook still ran
+    assert m.descriptors == [full(4)]

@@ -151,6 +151,9 @@ class GraphManager:
             try:
                 metadata = self.build_metadata(desc)
                 recording = self.recorder.record(self.graph_backend, self.pool, desc, metadata)
+            except Exception as e:
+                raise RuntimeError(f"graph capture of {desc} failed ({type(e).__name__}: {e}); run with "
+                                   f"enforce_eager=True or another graph_mode") from e
             finally:
                 for backend in self.attention_backends:
                     backend.after_capture(desc)
