@@ -199,6 +199,9 @@ class EngineConfig:
     graph: GraphConfig | None = None
     enforce_eager: bool = False  # as in vLLM: no graphs at all, whatever `graph` says
     device: str | None = None  # None: the best platform available
+    # Overlap scheduling and input preparation of step N+1 with step N's compute
+    # (vLLM's async_scheduling). None: the platform's default.
+    async_scheduling: bool | None = None
 
     def with_max_model_len(self, max_model_len: int) -> "EngineConfig":
         return replace(self, model=replace(self.model, max_model_len=max_model_len))

@@ -33,7 +33,9 @@ class LLM:
     platform's, full on CUDA/NPU, none on CPU) and
     `graph_capture_sizes` (requests for full, tokens for piecewise) set graph capture;
     `graph_compile` runs piecewise pieces through torch.compile on the CPU (default:
-    on); `enforce_eager` turns it all off.
+    on); `enforce_eager` turns it all off. `async_scheduling` overlaps the host's
+    scheduling and input preparation of the next step with the current step's compute
+    (default: the platform's; see `mrv2 bench throughput`).
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
@@ -42,7 +44,8 @@ class LLM:
                  block_size: int = 16, kv_cache_layout: str = "joint", kv_transfer: bool = False,
                  enable_chunked_prefill: bool = True, enforce_eager: bool = False, seed: int = 0,
                  device: str | None = None, graph_mode: str | None = None,
-                 graph_capture_sizes: Sequence[int] | None = None, graph_compile: bool | None = None) -> None:
+                 graph_capture_sizes: Sequence[int] | None = None, graph_compile: bool | None = None,
+                 async_scheduling: bool | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
@@ -54,7 +57,7 @@ class LLM:
                 mode=_graph_mode(graph_mode, graph_compile),
                 capture_sizes=tuple(graph_capture_sizes) if graph_capture_sizes is not None else None,
                 compile=graph_compile),
-            enforce_eager=enforce_eager, device=device,
+            enforce_eager=enforce_eager, device=device, async_scheduling=async_scheduling,
         )
         self.engine = LLMEngine(config)
 

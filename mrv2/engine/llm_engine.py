@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import replace
 from typing import Any
 
@@ -14,6 +15,8 @@ from mrv2.config import GiB, EngineConfig
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.engine.request import Request
 from mrv2.engine.scheduler import Scheduler
+from mrv2.engine.scheduler_output import SchedulerOutput
+from mrv2.runner.async_output import AsyncRunnerOutput
 from mrv2.runner.kv_cache import num_blocks_for_budget
 from mrv2.runner.model_runner import ModelRunner
 from mrv2.platforms import get_platform
@@ -54,6 +57,8 @@ class LLMEngine:
         if max_model_len > model_max:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's {limit} ({model_max})")
         config = config.with_max_model_len(max_model_len)
+        if config.async_scheduling is None:
+            config = replace(config, async_scheduling=self.platform.default_async_scheduling)
         if config.scheduler.max_num_batched_tokens < config.scheduler.max_num_seqs:
             config = replace(config, scheduler=replace(config.scheduler,
                                                        max_num_seqs=config.scheduler.max_num_batched_tokens))
@@ -77,6 +82,9 @@ class LLMEngine:
                     time.perf_counter() - t0)
         self.eos_token_ids = self._eos_token_ids()
         self._ids = itertools.count()
+        # Launched steps whose outputs are not processed yet, oldest first.
+        self._in_flight: deque[tuple[SchedulerOutput, AsyncRunnerOutput]] = deque()
+        self._max_in_flight = 2 if config.async_scheduling else 1
 
     def _plan_kv_cache(self) -> int:
         cfg = self.config
@@ -149,15 +157,39 @@ class LLMEngine:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests waiting or running, or launched steps whose outputs are still to be processed."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[RequestOutput]:
-        """One schedule -> execute -> sample -> update round; outputs of requests that advanced."""
-        sched = self.scheduler.schedule()
-        self.runner.execute_model(sched)
-        runner_out = self.runner.sample_tokens()
+        """Launch a step if one fits, then process the oldest launched step's output.
+
+        Serially one step is in flight at a time: schedule -> execute -> sample -> update.
+        With async scheduling up to two are: step N+1 is scheduled and launched before
+        the host waits for step N's sampled ids, so the host's scheduling, preparation
+        and output processing overlap the device's work.
+        """
+        if len(self._in_flight) < self._max_in_flight:
+            sched = self.scheduler.schedule()
+            self.runner.execute_model(sched)  # also frees the slots of finished requests
+            if not sched.is_empty:
+                self._in_flight.append((sched, self.runner.sample_tokens()))
+                if len(self._in_flight) < self._max_in_flight and self.scheduler.has_unfinished_requests():
+                    return []  # launch the next step before waiting for this one
+        if not self._in_flight:
+            return []
+        sched, pending = self._in_flight.popleft()
+        try:
+            runner_out = pending.get()
+        except BaseException:
+            self.scheduler.fail_step(sched)
+            raise
         updated = self.scheduler.update_from_output(sched, runner_out)
         return [self._output(r) for r in updated]
+
+    def shutdown(self) -> None:
+        """Finish launched steps and stop the runner's device queue."""
+        self._in_flight.clear()
+        self.runner.close()
 
     def _output(self, request: Request) -> RequestOutput:
         finished = request.is_finished

@@ -49,7 +49,9 @@ class Request:
 
     `max_model_len` bounds prompt + output; the scheduler fills it in on `add_request`
     when left None. `num_computed_tokens` counts tokens whose KV is written (or
-    scheduled to be written in the step in flight).
+    scheduled to be written in the steps in flight). With async scheduling a request
+    may be scheduled again before its sampled token reaches the host: each such token
+    is an output placeholder until it arrives.
     """
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -69,6 +71,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.num_preemptions = 0
+        # Tokens sampled by steps in flight whose ids the host does not know yet.
+        self.num_output_placeholders = 0
+        # Launched steps that scheduled this request and whose output is not processed yet.
+        self.num_steps_in_flight = 0
 
     @property
     def num_prompt_tokens(self) -> int:

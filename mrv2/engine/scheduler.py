@@ -24,6 +24,15 @@ class Scheduler:
     `num_gpu_blocks` counts block 0, the null block. A request that would outgrow the
     whole KV cache is finished as length-capped: `max_model_len` is capped at the
     cache's capacity plus one (the last sampled token needs no KV).
+
+    Async scheduling: `schedule()` may run again before the previous step's output is
+    processed. A request whose step samples a token gets an output placeholder, and is
+    scheduled from its known tokens plus placeholders (the runner reads the token from
+    device state). Stop conditions apply when the ids arrive in `update_from_output`:
+    a token sampled past a stop is discarded. A request finished or aborted while a
+    step of its is in flight keeps its blocks until that step's output is processed;
+    a preempted one is not readmitted before then. A request that will reach
+    `max_tokens` or `max_model_len` with its placeholders is not scheduled again.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, block_size: int, num_gpu_blocks: int,
@@ -43,6 +52,8 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished, aborted or preempted since the last schedule(): the runner frees their slots.
         self.finished_req_ids: set[str] = set()
+        # Finished or aborted with steps still in flight: their blocks return when those complete.
+        self._draining: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # Requests in and out.
@@ -58,7 +69,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Validate and queue a request (FCFS); raises ValueError for a bad prompt or reused id."""
-        if request.req_id in self.requests:
+        if request.req_id in self.requests or request.req_id in self._draining:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         self.validate_prompt(request.prompt_token_ids)
         if request.max_model_len is None or request.max_model_len > self.max_model_len:
@@ -107,8 +118,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            # >= 1, and within max_model_len: an unfinished request has num_tokens < max_model_len.
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            pending = request.num_output_placeholders
+            if (request.num_output_tokens + pending >= request.max_tokens
+                    or request.num_tokens + pending >= self.max_model_len):
+                i += 1  # finishes by length when its in-flight token arrives
+                continue
+            # >= 1: the known tokens and placeholders not computed yet.
+            num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -125,6 +141,8 @@ class Scheduler:
         # A preemption means blocks are short: admitting more would only cause thrashing.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_steps_in_flight:
+                break  # preempted with a step in flight: its token arrives first (FCFS holds)
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget:
                 if not chunked:
@@ -139,44 +157,71 @@ class Scheduler:
             num_scheduled[request.req_id] = num_new
             budget -= num_new
 
+        sampled: set[str] = set()
+        for req_id, n in num_scheduled.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            request.num_steps_in_flight += 1
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+                sampled.add(req_id)
         output = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData(req_id=r.req_id, prompt_token_ids=list(r.prompt_token_ids),
                                all_token_ids=list(r.all_token_ids), sampling_params=r.sampling_params,
-                               block_ids=list(r.block_ids), num_computed_tokens=r.num_computed_tokens)
+                               block_ids=list(r.block_ids),
+                               num_computed_tokens=r.num_computed_tokens - num_scheduled[r.req_id])
                 for r in new],
             scheduled_cached_reqs=CachedRequestData(
                 req_ids=[r.req_id for r, _ in cached],
                 new_block_ids=[b for _, b in cached],
-                num_computed_tokens=[r.num_computed_tokens for r, _ in cached]),
+                num_computed_tokens=[r.num_computed_tokens - num_scheduled[r.req_id] for r, _ in cached]),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids,
+            sampled_req_ids=frozenset(sampled),
         )
         self.finished_req_ids = set()
-        for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[Request]:
-        """Append sampled tokens and apply stop checks; return the requests that got a new
-        token this step (finished ones included, with their final status)."""
+        """Apply one step's sampled tokens and stop checks; return the requests that got a new
+        token (finished ones included, with their final status).
+
+        Steps are processed in launch order. A token of a request that finished or was
+        aborted since its step was launched is discarded; a preempted request keeps it.
+        """
+        sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         updated = []
-        for req_id, token_id in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
-            request = self.requests.get(req_id)
-            if (request is None or req_id not in scheduler_output.num_scheduled_tokens
-                    or request.status != RequestStatus.RUNNING):
-                continue  # aborted (or preempted) since it was scheduled
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # partial prefill chunk: its sample is meaningless
-            request.append_output_token(token_id)
-            if request.check_stop(self.max_model_len):
-                self.running.remove(request)
-                self.finished_req_ids.add(req_id)
-                self._finish(request, request.status)
-            updated.append(request)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id) or self._draining.get(req_id)
+            if request is None:
+                continue
+            request.num_steps_in_flight -= 1
+            if req_id in scheduler_output.sampled_req_ids:
+                request.num_output_placeholders -= 1
+                token_id = sampled.get(req_id)
+                if token_id is not None and not request.is_finished:
+                    was_running = request.status == RequestStatus.RUNNING
+                    request.append_output_token(token_id)
+                    if request.check_stop(self.max_model_len):
+                        if was_running:
+                            self.running.remove(request)
+                            self.finished_req_ids.add(req_id)
+                        else:  # preempted: its slot is already freed
+                            self.waiting.remove(request)
+                        self._finish(request, request.status)
+                    updated.append(request)
+            if request.num_steps_in_flight == 0 and self._draining.pop(req_id, None) is not None:
+                self.kv_cache_manager.free(request)
         return updated
+
+    def fail_step(self, scheduler_output: SchedulerOutput) -> list[Request]:
+        """A launched step produced no output: abort its requests; their blocks return once
+        no other step of theirs is in flight."""
+        self.update_from_output(scheduler_output, ModelRunnerOutput([], []))
+        return self.abort_requests(list(scheduler_output.num_scheduled_tokens))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -189,5 +234,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv_cache_manager.free(request)
         del self.requests[request.req_id]
+        if request.num_steps_in_flight:
+            self._draining[request.req_id] = request
+        else:
+            self.kv_cache_manager.free(request)

@@ -45,6 +45,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests finished, aborted or preempted since the previous step: free their slots.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Requests whose step reaches their last token, so it samples a new one (not partial prefills).
+    sampled_req_ids: frozenset[str] = frozenset()
 
     @property
     def is_empty(self) -> bool:

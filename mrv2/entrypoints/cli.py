@@ -27,6 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated sizes to capture (requests for full, tokens for piecewise)")
     g.add_argument("--graph-compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile piecewise pieces on the CPU (default: on)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap scheduling of the next step with the current one (default: the platform's)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -44,7 +46,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory=args.kv_cache_memory, device=args.device, enforce_eager=args.enforce_eager,
                 graph_mode=args.graph_mode, graph_capture_sizes=_sizes(args.graph_capture_sizes),
-                graph_compile=args.graph_compile, seed=args.seed)
+                graph_compile=args.graph_compile, async_scheduling=args.async_scheduling, seed=args.seed)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ from functools import lru_cache
 import torch
 
 from mrv2.config import GraphConfig, GraphMode
+from mrv2.platforms.device_queue import DeviceQueue, InlineQueue, WorkerThreadQueue
 from mrv2.platforms.graphs import CompiledGraphBackend, EagerGraphBackend, GraphBackend
 from mrv2.platforms.interface import Platform
 
@@ -63,6 +64,11 @@ class CpuPlatform(Platform):
             torch.set_num_threads(n)
         # Subnormal floats take a microcode slow path on x86 (tens of times slower).
         torch.set_flush_denormal(True)
+
+    def device_queue(self, async_scheduling: bool) -> DeviceQueue:
+        # CPU ops run synchronously: a worker thread stands in for the stream, so the host
+        # can schedule and prepare the next step while this one computes.
+        return WorkerThreadQueue(self.configure_threads) if async_scheduling else InlineQueue()
 
     def graph_backend(self, config: GraphConfig) -> GraphBackend:
         # Piecewise on the CPU only pays compiled: uncompiled pieces are eager plus copies

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
 from mrv2.config import GraphConfig, GraphMode
 
+from mrv2.platforms.device_queue import DeviceQueue, InlineQueue
 from mrv2.platforms.graphs import EagerGraphBackend, GraphBackend
 
 
@@ -23,6 +25,8 @@ class Platform(ABC):
     measures_peak_memory: bool = True
     # Vocabulary rows per LM-head GEMM (None: one GEMM).
     logits_chunk_rows: int | None = None
+    # Async scheduling when the user does not choose (on where `mrv2 bench throughput` measures it no slower).
+    default_async_scheduling: bool = True
 
     @property
     def device(self) -> torch.device:
@@ -68,6 +72,14 @@ class Platform(ABC):
     def configure_threads(self) -> None:
         """Set host threading for this device type."""
 
+    def device_queue(self, async_scheduling: bool) -> DeviceQueue:
+        """Where the runner's device work runs (inline: kernel launches are asynchronous already)."""
+        return InlineQueue()
+
+    def new_event(self) -> Any | None:
+        """An event to record behind a non-blocking device-to-host copy; None where copies are synchronous."""
+        return None
+
     def graph_backend(self, config: GraphConfig) -> GraphBackend:
         """How this device records and replays forwards for `config` (eager re-runs where it has no graphs)."""
         return EagerGraphBackend()
@@ -99,6 +111,9 @@ class AcceleratorPlatform(Platform):
 
     def pin_memory(self) -> bool:
         return True
+
+    def new_event(self) -> Any:
+        return self._module.Event()
 
     def graph_backend(self, config: GraphConfig) -> GraphBackend:
         if config.compile:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mrv2.runner.staged_writes import StagedRowWriter
+from mrv2.runner.staged_writes import StagedRowWriter, StagedWrite
 
 
 class BlockTables:
@@ -25,6 +25,11 @@ class BlockTables:
     def append(self, slot: int, block_ids: list[int]) -> None:
         self._writer.stage(slot, int(self.num_blocks[slot]), block_ids)
         self.num_blocks[slot] += len(block_ids)
+
+    def take_staged(self) -> list[StagedWrite]:
+        """Pack the staged rows (host work); applying them is device work."""
+        write = self._writer.take()
+        return [] if write is None else [write]
 
     def apply_staged(self) -> None:
         self._writer.apply()

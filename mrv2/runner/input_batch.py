@@ -2,8 +2,9 @@
 
 Every buffer is allocated once at its maximum size; a step writes into a prefix of
 each, so addresses never change and a captured graph can replay over them. The
-only host-to-device traffic per step is the batch order (`idx_mapping`) and the
-per-row scheduled token counts; everything else is gathered on the device.
+only host-to-device traffic per step is one staging copy (batch order `idx_mapping`,
+per-row scheduled token counts, `query_start_loc`); everything else is gathered on
+the device.
 """
 
 from __future__ import annotations
@@ -41,6 +42,25 @@ class StepPadding:
         return self.max_seq_len is not None
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """The host half of one step's inputs: batch order, sizes, host metadata, and the
+    staging buffer that carries the device-bound part in one copy."""
+
+    req_ids: list[str]
+    idx_cpu: np.ndarray
+    num_scheduled_cpu: np.ndarray
+    num_tokens: int
+    padding: StepPadding | None
+    staging: torch.Tensor
+    query_start_loc_cpu: np.ndarray
+    seq_lens_cpu: np.ndarray
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.idx_cpu)
+
+
 @dataclass
 class StepBatch:
     """Views of one step's inputs in the persistent buffers, plus host-side sizes."""
@@ -58,7 +78,12 @@ class StepBatch:
 
 
 class InputBuffers:
-    """Fixed-address tensors the model reads its inputs from."""
+    """Fixed-address tensors the model reads its inputs from.
+
+    `plan` is host work (numpy only); `gather` is device work. Two host staging
+    buffers alternate, so the next step's plan never writes into the buffer the step
+    in flight is still copying from.
+    """
 
     def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int,
                  device: torch.device, pin_memory: bool) -> None:
@@ -78,26 +103,46 @@ class InputBuffers:
         self.block_table = zeros(max_num_reqs, max_blocks_per_req, dtype=torch.int32)
         self.arange = torch.arange(max_num_tokens, dtype=torch.int64, device=device)
         # Host staging: [idx_mapping | num_scheduled | query_start_loc] travel in one copy.
-        self._staging = torch.zeros(3 * max_num_reqs + 1, dtype=torch.int64, pin_memory=pin_memory)
+        self._staging = [torch.zeros(3 * max_num_reqs + 1, dtype=torch.int64, pin_memory=pin_memory)
+                         for _ in range(2)]
+        self._next_staging = 0
         self._max_num_reqs = max_num_reqs
 
     def prepare(self, req_ids: list[str], idx_cpu: np.ndarray, num_scheduled_cpu: np.ndarray,
                 states: RequestStates, block_tables: BlockTables, padding: StepPadding | None = None) -> StepBatch:
-        """Gather one step's inputs for the requests in batch order `idx_cpu` (padded to `padding` if given)."""
+        """plan() then gather() at once (the serial path)."""
+        plan = self.plan(req_ids, idx_cpu, num_scheduled_cpu, states.num_computed_cpu, padding)
+        return self.gather(plan, states, block_tables)
+
+    def plan(self, req_ids: list[str], idx_cpu: np.ndarray, num_scheduled_cpu: np.ndarray,
+             num_computed_cpu: np.ndarray, padding: StepPadding | None = None) -> StepPlan:
+        """Host work: order, sizes and host metadata of the requests in batch order `idx_cpu`
+        (padded to `padding` if given); `num_computed_cpu` is the slots' host mirror."""
         b, r = len(idx_cpu), self._max_num_reqs
         t = int(num_scheduled_cpu.sum())
-        bp, tp = (padding.num_reqs, padding.num_tokens) if padding else (b, t)
         padded_attn = padding is not None and padding.pads_attention
-        ba, ta = (bp, tp) if padded_attn else (b, t)  # the sizes attention sees
+        ba, ta = (padding.num_reqs, padding.num_tokens) if padded_attn else (b, t)  # the sizes attention sees
         qsl_cpu = np.zeros(b + 1, dtype=np.int64)
         np.cumsum(num_scheduled_cpu, out=qsl_cpu[1:])
         if ba > b:
             qsl_cpu = pad_query_start_loc(qsl_cpu, b, ba, ta)
-        staging = self._staging.numpy()
-        staging[:b] = idx_cpu
-        staging[r:r + b] = num_scheduled_cpu
-        staging[2 * r:2 * r + ba + 1] = qsl_cpu
-        dev = self._staging.to(self.device, non_blocking=True)
+        staging = self._staging[self._next_staging]
+        self._next_staging ^= 1
+        host = staging.numpy()
+        host[:b] = idx_cpu
+        host[r:r + b] = num_scheduled_cpu
+        host[2 * r:2 * r + ba + 1] = qsl_cpu
+        seq_lens_cpu = np.zeros(ba, dtype=np.int64)
+        seq_lens_cpu[:b] = num_computed_cpu[idx_cpu] + num_scheduled_cpu
+        return StepPlan(req_ids, idx_cpu, num_scheduled_cpu, t, padding, staging, qsl_cpu, seq_lens_cpu)
+
+    def gather(self, plan: StepPlan, states: RequestStates, block_tables: BlockTables) -> StepBatch:
+        """Device work: one copy of the staging buffer, then every input gathered from slot state."""
+        padding, b, t, r = plan.padding, plan.num_reqs, plan.num_tokens, self._max_num_reqs
+        bp, tp = (padding.num_reqs, padding.num_tokens) if padding else (b, t)
+        padded_attn = padding is not None and padding.pads_attention
+        ba, ta = (bp, tp) if padded_attn else (b, t)
+        dev = plan.staging.to(self.device, non_blocking=True)
         self.idx_mapping[:b].copy_(dev[:b])
         self.num_scheduled[:b].copy_(dev[r:r + b])
         self.query_start_loc[:ba + 1].copy_(dev[2 * r:2 * r + ba + 1])
@@ -118,8 +163,7 @@ class InputBuffers:
         block_tables.gather(idx, self.block_table)
         block_tables.slot_mapping(self.block_table[:b], rows, positions, self.slot_mapping)
 
-        seq_lens_cpu = np.zeros(ba, dtype=np.int64)
-        seq_lens_cpu[:b] = states.num_computed_cpu[idx_cpu] + num_scheduled_cpu
+        qsl_cpu, seq_lens_cpu = plan.query_start_loc_cpu, plan.seq_lens_cpu
         query_lens_cpu = np.diff(qsl_cpu)
         not_decode = np.flatnonzero(query_lens_cpu != 1)  # decodes lead the batch
         attn = CommonAttentionMetadata(
@@ -130,9 +174,10 @@ class InputBuffers:
             block_table=self.block_table[:ba], slot_mapping=self.slot_mapping[:ta], query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens_cpu, block_size=block_tables.block_size, static_shapes=padded_attn,
         )
-        return StepBatch(req_ids=req_ids, idx_cpu=idx_cpu, num_scheduled_cpu=num_scheduled_cpu, num_tokens=t,
-                         idx_mapping=idx, num_scheduled=self.num_scheduled[:b], input_ids=self.input_ids[:tp],
-                         positions=self.positions[:tp], logits_indices=self.logits_indices[:b], attn=attn)
+        return StepBatch(req_ids=plan.req_ids, idx_cpu=plan.idx_cpu, num_scheduled_cpu=plan.num_scheduled_cpu,
+                         num_tokens=t, idx_mapping=idx, num_scheduled=self.num_scheduled[:b],
+                         input_ids=self.input_ids[:tp], positions=self.positions[:tp],
+                         logits_indices=self.logits_indices[:b], attn=attn)
 
     def _fill_padding(self, b: int, t: int, bp: int, tp: int) -> None:
         for buf in (self.input_ids, self.positions, self.slot_mapping):

@@ -8,8 +8,10 @@ device. Model, attention and sampling logic live in their own packages.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -17,25 +19,23 @@ import torch
 
 from mrv2.attention import get_attention_backend
 from mrv2.config import EngineConfig, GraphMode
-from mrv2.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from mrv2.engine.scheduler_output import SchedulerOutput
 from mrv2.models.registry import attention_kind, build_model
 from mrv2.platforms import Platform
+from mrv2.platforms.device_queue import HostCopy, Pending
+from mrv2.runner.async_output import AsyncRunnerOutput
 from mrv2.runner.block_table import BlockTables
+from mrv2.runner.graphs.descriptor import BatchDescriptor
 from mrv2.runner.graphs.model_graphs import ModelGraphs
-from mrv2.runner.input_batch import InputBuffers, StepBatch
+from mrv2.runner.input_batch import InputBuffers, StepBatch, StepPlan
 from mrv2.runner.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
+from mrv2.runner.staged_writes import StagedWrite
 from mrv2.runner.states import RequestStates
 from mrv2.runner.timing import StepTiming
 from mrv2.sample.metadata import SamplingMetadata
 from mrv2.sample.sampler import Sampler
 
 logger = logging.getLogger("mrv2")
-
-
-@dataclass
-class _PendingStep:
-    batch: StepBatch
-    logits: torch.Tensor
 
 
 class ModelRunner:
@@ -73,6 +73,12 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self._pending: _PendingStep | None = None
         self.timing = StepTiming()
+        # Device work runs in launch order on this queue; with async scheduling the host
+        # prepares step N+1 while step N computes.
+        self.queue = platform.device_queue(config.async_scheduling)
+        # Sampled ids land here, alternately, so two steps in flight never share a buffer.
+        self._host_out = [torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._next_host_out = 0
 
     # -- set-up --
 
@@ -108,7 +114,7 @@ class ModelRunner:
                                           self.block_size, alignment, self.device)
         for layer, cache in zip(self.model.attention_layers(), self.kv_cache.layers):
             layer.kv_cache = cache
-        self.kv_cache.ensure_initialized([0])  # block 0 takes padding reads and writes
+        self.kv_cache.ensure_initialized(list(range(self.kv_cache.num_blocks)))
         return self.kv_cache
 
     def capture_graphs(self) -> None:
@@ -118,24 +124,19 @@ class ModelRunner:
 
     # -- the step --
 
-    def _apply_scheduler_diffs(self, sched: SchedulerOutput) -> None:
+    def _apply_scheduler_diffs(self, sched: SchedulerOutput) -> list[StagedWrite]:
+        """Host work: slots for new requests, freed slots, new blocks; returns the packed writes."""
         for req_id in sched.finished_req_ids:
             self.states.remove(req_id)
-        new_blocks: list[int] = []
         for req in sched.scheduled_new_reqs:
             slot = self.states.add(req)
             self.block_tables.reset(slot)
             self.block_tables.append(slot, req.block_ids)
-            new_blocks += req.block_ids
         cached = sched.scheduled_cached_reqs
         for req_id, blocks in zip(cached.req_ids, cached.new_block_ids):
             if blocks:
                 self.block_tables.append(self.states.slot_of[req_id], blocks)
-                new_blocks += blocks
-        if new_blocks:
-            self.kv_cache.ensure_initialized(new_blocks)
-        self.states.apply_staged()
-        self.block_tables.apply_staged()
+        return self.states.take_staged() + self.block_tables.take_staged()
 
     def _batch_order(self, sched: SchedulerOutput) -> tuple[list[str], np.ndarray, np.ndarray]:
         req_ids = list(sched.num_scheduled_tokens)
@@ -145,51 +146,98 @@ class ModelRunner:
         idx = np.fromiter((self.states.slot_of[r] for r in req_ids), np.int64, len(req_ids))
         return req_ids, idx, num_scheduled[order]
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> None:
-        """Run the forward pass for `sched`; `sample_tokens` finishes the step."""
+        """Launch the forward pass for `sched` (host work here, device work queued);
+        `sample_tokens` launches the sampling that finishes the step."""
         with self.timing.phase("prep"):
-            self._apply_scheduler_diffs(sched)
+            writes = self._apply_scheduler_diffs(sched)
             if sched.is_empty:
                 self._pending = None
+                if writes:
+                    self.queue.launch(partial(_apply_writes, writes))
                 return
             req_ids, idx, num_scheduled = self._batch_order(sched)
             seq_lens = self.states.num_computed_cpu[idx] + num_scheduled
             desc, padding = self.graphs.plan(num_scheduled, seq_lens) if self.graphs else (None, None)
-            batch = self.inputs.prepare(req_ids, idx, num_scheduled, self.states, self.block_tables, padding)
-            attn_metadata = None if desc else self.attn_backend.build_metadata(batch.attn)
+            plan = self.inputs.plan(req_ids, idx, num_scheduled, self.states.num_computed_cpu, padding)
+            flags = self._sampling_flags(idx)
+            self.states.advance_host(idx, num_scheduled)
+        forward = self.queue.launch(partial(self._forward, writes, plan, desc))
+        self._pending = _PendingStep(plan, forward, flags)
+        self.timing.steps += 1
+
+    def _forward(self, writes: list[StagedWrite], plan: StepPlan,
+                 desc: BatchDescriptor | None) -> tuple[StepBatch, torch.Tensor]:
+        """Device work of one step up to the logits."""
         with self.timing.phase("forward"):
+            _apply_writes(writes)
+            batch = self.inputs.gather(plan, self.states, self.block_tables)
             if desc:
                 hidden = self.graphs.run(desc, batch.attn)
             else:
-                hidden = self.model(batch.input_ids, batch.positions, attn_metadata)
+                hidden = self.model(batch.input_ids, batch.positions, self.attn_backend.build_metadata(batch.attn))
             logits = self.model.compute_logits(hidden[batch.logits_indices], self.platform.logits_chunk_rows)
-        self._pending = _PendingStep(batch, logits)
-        self.timing.steps += 1
+        return batch, logits
 
-    @torch.inference_mode()
-    def sample_tokens(self) -> ModelRunnerOutput:
-        """Sample the pending step's logits and write the tokens into slot state."""
-        if self._pending is None:
-            return ModelRunnerOutput([], [])
-        batch, logits = self._pending.batch, self._pending.logits
-        self._pending = None
-        with self.timing.phase("sample"):
-            sampled = self.sampler(logits, self._sampling_metadata(batch))
-            self.states.post_update(batch.idx_mapping, batch.num_scheduled, sampled, batch.idx_cpu,
-                                    batch.num_scheduled_cpu)
-            tokens = sampled.tolist()
-        return ModelRunnerOutput(batch.req_ids, tokens)
+    def sample_tokens(self) -> AsyncRunnerOutput:
+        """Launch sampling of the pending step and the post-update of slot state; the sampled
+        ids come back through one asynchronous copy (`AsyncRunnerOutput.get()` waits for it)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return AsyncRunnerOutput.empty()
+        host = self._host_out[self._next_host_out]
+        self._next_host_out ^= 1
+        event = self.platform.new_event()
 
-    def _sampling_metadata(self, batch: StepBatch) -> SamplingMetadata:
-        s, idx, idx_cpu = self.states, batch.idx_mapping, batch.idx_cpu
+        def sample() -> HostCopy:
+            batch, logits = pending.forward.result()
+            with self.timing.phase("sample"):
+                sampled = self.sampler(logits, self._sampling_metadata(batch, pending.flags))
+                self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, sampled)
+                return HostCopy.start(sampled, host, event)
+
+        return AsyncRunnerOutput(pending.plan.req_ids, self.queue.launch(sample), self.timing)
+
+    def close(self) -> None:
+        """Finish launched work and stop the device queue."""
+        self.queue.close()
+
+    def _sampling_flags(self, idx_cpu: np.ndarray) -> SamplingFlags:
+        s = self.states
         temperature = s.temperature_cpu[idx_cpu]
         vocab = self.model.config.vocab_size
-        return SamplingMetadata(
-            temperature=s.temperature[idx], top_k=s.top_k[idx], top_p=s.top_p[idx], min_p=s.min_p[idx],
-            seeds=s.seeds[idx], positions=s.num_tokens[idx].long(),
+        return SamplingFlags(
             all_greedy=bool((temperature == 0).all()), all_random=bool((temperature > 0).all()),
             no_top_k=bool(((s.top_k_cpu[idx_cpu] <= 0) | (s.top_k_cpu[idx_cpu] >= vocab)).all()),
             no_top_p=bool((s.top_p_cpu[idx_cpu] >= 1.0).all()),
             no_min_p=bool((s.min_p_cpu[idx_cpu] <= 0.0).all()),
         )
+
+    def _sampling_metadata(self, batch: StepBatch, flags: SamplingFlags) -> SamplingMetadata:
+        s, idx = self.states, batch.idx_mapping
+        return SamplingMetadata(
+            temperature=s.temperature[idx], top_k=s.top_k[idx], top_p=s.top_p[idx], min_p=s.min_p[idx],
+            seeds=s.seeds[idx], positions=s.num_tokens[idx].long(), **dataclasses.asdict(flags))
+
+
+@dataclass(frozen=True)
+class SamplingFlags:
+    """Host-known facts about a batch's sampling parameters, fixed at launch."""
+
+    all_greedy: bool
+    all_random: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+
+
+@dataclass(frozen=True)
+class _PendingStep:
+    plan: StepPlan
+    forward: Pending[tuple[StepBatch, torch.Tensor]]
+    flags: SamplingFlags
+
+
+def _apply_writes(writes: list[StagedWrite]) -> None:
+    for write in writes:
+        write.apply()

@@ -4,15 +4,50 @@ Adding a request, appending its new blocks or resetting a counter are small ragg
 diffs. They are collected on the host during the step's bookkeeping and applied
 with a single index_copy per target tensor, so the cost per step is one small
 host-to-device copy and one kernel, however many requests changed.
+
+`take()` packs what was staged into fresh host tensors (host work: each step gets
+its own, so a step still in flight never shares a staging buffer with the next);
+the returned `StagedWrite.apply()` is the device work.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 
-class StagedRowWriter:
+@dataclass(frozen=True)
+class StagedWrite:
+    """One packed write into a flat view of `target`: `target.view(-1)[index] = values`."""
+
+    target: torch.Tensor
+    index: torch.Tensor
+    values: torch.Tensor
+
+    def apply(self) -> None:
+        index = self.index.to(self.target.device, non_blocking=True)
+        values = self.values.to(self.target.device, non_blocking=True)
+        self.target.view(-1).index_copy_(0, index, values)
+
+
+def _host(array: np.ndarray, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
+    tensor = torch.from_numpy(array).to(dtype)
+    return tensor.pin_memory() if pin_memory else tensor
+
+
+class _Writer:
+    def take(self) -> StagedWrite | None:
+        raise NotImplementedError
+
+    def apply(self) -> None:
+        """take() and apply at once (the serial path)."""
+        if (write := self.take()) is not None:
+            write.apply()
+
+
+class StagedRowWriter(_Writer):
     """Ragged writes of (row, start column, values) into a contiguous 2-D tensor."""
 
     def __init__(self, target: torch.Tensor, pin_memory: bool = False) -> None:
@@ -33,17 +68,19 @@ class StagedRowWriter:
         self._index.append(np.arange(first, first + values.size, dtype=np.int64))
         self._values.append(values)
 
-    def apply(self) -> None:
+    def take(self) -> StagedWrite | None:
+        """Pack and clear what was staged (host work); None when nothing was."""
         if not self._index:
-            return
-        index = _to_device(np.concatenate(self._index), self.target.device, self.pin_memory)
-        values = _to_device(np.concatenate(self._values), self.target.device, self.pin_memory)
-        self.target.view(-1).index_copy_(0, index, values.to(self.target.dtype))
+            return None
+        write = StagedWrite(self.target, _host(np.concatenate(self._index), torch.int64, self.pin_memory),
+                            _host(np.concatenate(self._values), self.target.dtype, self.pin_memory))
         self._index.clear()
         self._values.clear()
+        return write
 
 
-class StagedScalarWriter:
+
+class StagedScalarWriter(_Writer):
     """Writes of one value per row into a 1-D tensor."""
 
     def __init__(self, target: torch.Tensor, pin_memory: bool = False) -> None:
@@ -56,20 +93,14 @@ class StagedScalarWriter:
         self._rows.append(row)
         self._values.append(value)
 
-    def apply(self) -> None:
+    def take(self) -> StagedWrite | None:
+        """Pack and clear what was staged (host work); None when nothing was."""
         if not self._rows:
-            return
-        rows = _to_device(np.asarray(self._rows, dtype=np.int64), self.target.device, self.pin_memory)
+            return None
         values = torch.tensor(self._values, dtype=self.target.dtype)
-        self.target.index_copy_(0, rows, values.to(self.target.device, non_blocking=True))
+        write = StagedWrite(self.target, _host(np.asarray(self._rows, dtype=np.int64), torch.int64, self.pin_memory),
+                            values.pin_memory() if self.pin_memory else values)
         self._rows.clear()
         self._values.clear()
+        return write
 
-
-def _to_device(array: np.ndarray, device: torch.device, pin_memory: bool) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    if device.type == "cpu":
-        return tensor
-    if pin_memory:
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from mrv2.engine.scheduler_output import NewRequestData
-from mrv2.runner.staged_writes import StagedRowWriter, StagedScalarWriter
+from mrv2.runner.staged_writes import StagedRowWriter, StagedScalarWriter, StagedWrite
 
 
 class RequestStates:
@@ -88,13 +88,27 @@ class RequestStates:
             self._free_slots.append(slot)
         return slot
 
-    def apply_staged(self) -> None:
-        self._token_writer.apply()
-        for writer in self._scalar_writers.values():
-            writer.apply()
+    def take_staged(self) -> list[StagedWrite]:
+        """Pack the staged writes (host work); applying them is device work."""
+        writes = [self._token_writer.take(), *(w.take() for w in self._scalar_writers.values())]
+        return [w for w in writes if w is not None]
 
-    def post_update(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor, sampled: torch.Tensor,
-                    idx_cpu: np.ndarray, num_scheduled_cpu: np.ndarray) -> None:
+    def apply_staged(self) -> None:
+        for write in self.take_staged():
+            write.apply()
+
+    def advance_host(self, idx_cpu: np.ndarray, num_scheduled_cpu: np.ndarray) -> None:
+        """The host mirror's half of the post-update, done when the step is launched.
+
+        A request whose step reaches its last known token gains one token (not yet
+        known to the host); a partial prefill chunk gains none.
+        """
+        computed_cpu = self.num_computed_cpu[idx_cpu] + num_scheduled_cpu
+        self.num_computed_cpu[idx_cpu] = computed_cpu
+        self.num_tokens_cpu[idx_cpu] += computed_cpu >= self.num_tokens_cpu[idx_cpu]
+
+    def post_update_device(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor,
+                           sampled: torch.Tensor) -> None:
         """Advance progress and append each request's sampled token, on the device.
 
         A request whose prefill is still partial after this step keeps its history
@@ -108,7 +122,9 @@ class RequestStates:
         current = self.token_ids[idx_mapping, pos]
         self.token_ids[idx_mapping, pos] = torch.where(done, sampled, current)
         self.num_tokens[idx_mapping] = n + done.int()
-        # The host mirror follows the same rule with what it already knows.
-        computed_cpu = self.num_computed_cpu[idx_cpu] + num_scheduled_cpu
-        self.num_computed_cpu[idx_cpu] = computed_cpu
-        self.num_tokens_cpu[idx_cpu] += computed_cpu >= self.num_tokens_cpu[idx_cpu]
+
+    def post_update(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor, sampled: torch.Tensor,
+                    idx_cpu: np.ndarray, num_scheduled_cpu: np.ndarray) -> None:
+        """Both halves of the post-update at once (the serial path)."""
+        self.post_update_device(idx_mapping, num_scheduled, sampled)
+        self.advance_host(idx_cpu, num_scheduled_cpu)

@@ -9,9 +9,16 @@ from dataclasses import dataclass, field
 
 @dataclass
 class StepTiming:
-    """Accumulated seconds per phase: "prep" (diffs, gather, metadata), "forward", "sample"."""
+    """Accumulated seconds per phase.
 
-    seconds: dict[str, float] = field(default_factory=lambda: {"prep": 0.0, "forward": 0.0, "sample": 0.0})
+    "prep" is the host's share of launching steps (diffs, batch order, staging);
+    "forward" and "sample" are device work (on the CPU's worker thread with async
+    scheduling, so they may overlap the host's phases); "wait" is the host blocked on
+    the device for sampled ids.
+    """
+
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"prep": 0.0, "forward": 0.0, "sample": 0.0, "wait": 0.0})
     steps: int = 0
 
     def reset(self) -> None:
@@ -28,5 +35,6 @@ class StepTiming:
             self.seconds[name] += time.perf_counter() - t0
 
     def prep_share(self) -> float:
-        total = sum(self.seconds.values())
+        """Host preparation as a share of prep + device time."""
+        total = self.seconds["prep"] + self.seconds["forward"] + self.seconds["sample"]
         return self.seconds["prep"] / total if total else 0.0
