@@ -7,6 +7,7 @@ computed count) from the SchedulerOutputs alone, and checks the contract each st
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
@@ -378,8 +379,11 @@ def test_validation():
         sched.add_request(make_req("ok", 3))
 
 
+@pytest.mark.parametrize("depth", [1, 2], ids=["serial", "async"])
 @pytest.mark.parametrize("seed,chunked", [(0, True), (1, True), (2, False), (3, True), (4, False)])
-def test_randomized_stress(seed: int, chunked: bool):
+def test_randomized_stress(seed: int, chunked: bool, depth: int):
+    """Random arrivals, aborts and preemptions; `depth` steps in flight (2: async scheduling,
+    where each step's output is processed only after the next step is scheduled)."""
     rng = random.Random(seed)
     max_len, budget, seqs = 40, 40 if not chunked else 12, 5
     sched = make_sched(seqs=seqs, budget=budget, chunked=chunked, blocks=13, max_len=max_len)
@@ -387,15 +391,16 @@ def test_randomized_stress(seed: int, chunked: bool):
     # Vocab of 40 with EOS = 0: some requests stop early.
     runner = FakeRunner(token_fn=lambda rid, pos: random.Random(f"{seed}:{rid}:{pos}").randrange(40))
     finished: list[Request] = []
-    n_added = 0
+    added: list[Request] = []
+    in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
     for it in range(2000):
         if it < 450 and rng.random() < 0.15:
             for _ in range(rng.randint(1, 3)):
                 plen = rng.randint(1, min(max_len - 1, usable * BS))
-                r = make_req(f"s{n_added}", plen, max_tokens=rng.choice([None, 1, 3, 10, 30]),
+                r = make_req(f"s{len(added)}", plen, max_tokens=rng.choice([None, 1, 3, 10, 30]),
                              min_tokens=0, ignore_eos=rng.random() < 0.3)
                 sched.add_request(r)
-                n_added += 1
+                added.append(r)
         if sched.requests and rng.random() < 0.05:
             finished += sched.abort_requests([rng.choice(list(sched.requests))])
 
@@ -404,31 +409,38 @@ def test_randomized_stress(seed: int, chunked: bool):
         assert so.total_num_scheduled_tokens <= budget
         assert sched.num_preemptions == preemptions or not so.scheduled_new_reqs
         assert len(sched.running) <= seqs
-        owned = [b for r in sched.requests.values() for b in r.block_ids]
+        owned = [b for r in added for b in r.block_ids]  # running, draining (finished, step in flight)
         assert len(owned) == len(set(owned)) and NULL_BLOCK_ID not in owned
         assert len(owned) + sched.block_pool.num_free_blocks == usable
         for r in sched.running:
-            assert r.num_computed_tokens <= r.num_tokens < max_len
+            assert r.num_computed_tokens <= r.num_tokens + r.num_output_placeholders <= max_len
+            assert r.num_tokens < max_len
             assert len(r.block_ids) == -(-r.num_computed_tokens // BS)
         for r in sched.waiting:
             assert r.block_ids == [] and r.num_computed_tokens == 0
         if not chunked:
             for nr in so.scheduled_new_reqs:
                 assert so.num_scheduled_tokens[nr.req_id] == len(nr.all_token_ids)
-        updated = sched.update_from_output(so, runner.execute(so))
-        finished += [r for r in updated if r.is_finished]
-        for r in sched.running:  # the runner's own view matches the scheduler's
+        in_flight.append((so, runner.execute(so)))
+        while len(in_flight) >= depth:
+            updated = sched.update_from_output(*in_flight.popleft())
+            finished += [r for r in updated if r.is_finished]
+        for r in sched.running:  # the runner's own view matches the scheduler's (plus the tokens in flight)
             slot = runner.slots[r.req_id]
-            assert slot.tokens == r.all_token_ids and slot.blocks == r.block_ids
-            assert slot.computed == r.num_computed_tokens
+            assert slot.tokens == r.all_token_ids + slot.tokens[r.num_tokens:]
+            assert len(slot.tokens) == r.num_tokens + r.num_output_placeholders
+            assert slot.blocks == r.block_ids and slot.computed == r.num_computed_tokens
         if it >= 450 and not sched.has_unfinished_requests():
+            while in_flight:  # steps of requests that finished while they were in flight
+                assert not sched.update_from_output(*in_flight.popleft())
             break
     assert not sched.has_unfinished_requests()
     runner.execute(sched.schedule())
     assert not runner.slots and sched.block_pool.is_whole() and not sched.requests
-    assert len(finished) == n_added == len({r.req_id for r in finished})
+    assert len(finished) == len(added) == len({r.req_id for r in finished})
     assert sched.num_preemptions > 0
     for r in finished:
+        assert r.num_output_placeholders == 0 and r.num_steps_in_flight == 0
         assert r.output_token_ids == [runner.token_fn(r.req_id, r.num_prompt_tokens + i)
                                       for i in range(r.num_output_tokens)]
         assert r.num_tokens <= max_len
@@ -440,3 +452,87 @@ def test_randomized_stress(seed: int, chunked: bool):
             assert r.finish_reason == "abort"
         if r.finish_reason != "abort" and not r.sampling_params.ignore_eos:
             assert EOS not in r.output_token_ids[:-1]
+
+
+def launch(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+    """Schedule and execute a step whose output the host has not processed yet (async)."""
+    so = sched.schedule()
+    return so, runner.execute(so)
+
+
+def test_async_schedules_from_placeholders():
+    sched, runner = make_sched(budget=8), FakeRunner()
+    a, b = make_req("a", 5, max_tokens=10), make_req("b", 6, max_tokens=10)
+    sched.add_request(a)
+    sched.add_request(b)
+    s0 = launch(sched, runner)  # a's prompt and 3 tokens of b's: only a samples
+    assert s0[0].num_scheduled_tokens == {"a": 5, "b": 3} and s0[0].sampled_req_ids == {"a"}
+    assert (a.num_output_placeholders, b.num_output_placeholders) == (1, 0)
+    s1 = launch(sched, runner)  # before step 0's ids arrive: a decodes its placeholder, b finishes its prompt
+    assert s1[0].num_scheduled_tokens == {"a": 1, "b": 3} and s1[0].sampled_req_ids == {"a", "b"}
+    assert a.num_output_placeholders == 2 and a.num_computed_tokens == 6 and a.num_output_tokens == 0
+    sched.update_from_output(*s0)
+    assert a.output_token_ids == expected_output(a) and a.num_output_placeholders == 1
+    sched.update_from_output(*s1)
+    assert a.num_output_tokens == 2 and b.num_output_tokens == 1 and a.num_output_placeholders == 0
+    assert a.output_token_ids == expected_output(a) and b.output_token_ids == expected_output(b)
+
+
+def test_async_stop_on_arrival_discards_the_token_past_it():
+    # "a" samples EOS as its second output token; the step after it is already in flight.
+    runner = FakeRunner(token_fn=lambda rid, pos: EOS if pos == 6 else 100 + pos)
+    sched = make_sched()
+    a = make_req("a", 5, max_tokens=10)
+    sched.add_request(a)
+    s0, s1 = launch(sched, runner), launch(sched, runner)
+    sched.update_from_output(*s0)
+    s2 = launch(sched, runner)  # schedules the decode of the EOS token: a's stop is not known yet
+    assert "a" in s2[0].num_scheduled_tokens
+    (updated,) = sched.update_from_output(*s1)
+    assert updated is a and a.finish_reason == "stop" and a.output_token_ids == [105, EOS]
+    assert a.block_ids and not sched.block_pool.is_whole()  # step 2 still writes a's KV
+    assert sched.update_from_output(*s2) == []  # the token past the stop is never emitted
+    assert a.output_token_ids == [105, EOS] and not a.block_ids and sched.block_pool.is_whole()
+    assert sched.schedule().finished_req_ids == {"a"}
+
+
+def test_async_does_not_schedule_past_max_tokens():
+    sched, runner = make_sched(), FakeRunner()
+    a = make_req("a", 3, max_tokens=2)
+    sched.add_request(a)
+    s0, s1 = launch(sched, runner), launch(sched, runner)
+    assert a.num_output_placeholders == 2
+    s2 = launch(sched, runner)  # two tokens in flight already reach max_tokens
+    assert s2[0].is_empty
+    sched.update_from_output(*s0)
+    sched.update_from_output(*s1)
+    assert a.finish_reason == "length" and a.output_token_ids == expected_output(a) and sched.block_pool.is_whole()
+
+
+def test_async_abort_in_flight_frees_blocks_when_the_step_completes():
+    sched, runner = make_sched(), FakeRunner()
+    a = make_req("a", 9, max_tokens=10)
+    sched.add_request(a)
+    s0 = launch(sched, runner)
+    held = list(a.block_ids)
+    assert sched.abort_requests("a") == [a] and a.finish_reason == "abort"
+    assert a.block_ids == held and sched.block_pool.num_free_blocks == sched.block_pool.num_usable_blocks - 3
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(make_req("a", 3))  # the id is busy until its step completes
+    assert sched.update_from_output(*s0) == [] and a.output_token_ids == []
+    assert not a.block_ids and sched.block_pool.is_whole()
+
+
+def test_async_preempted_request_keeps_its_in_flight_token():
+    # 4 usable blocks of 4 tokens: "b" (admitted last) is preempted when "a" needs a block.
+    sched, runner = make_sched(blocks=5, max_len=32), FakeRunner()
+    a, b = make_req("a", 8, max_tokens=10), make_req("b", 8, max_tokens=10)
+    sched.add_request(a)
+    sched.add_request(b)
+    s0 = launch(sched, runner)  # both prompts fill 4 blocks; both sample
+    s1 = launch(sched, runner)  # a's placeholder needs a 5th block: b is preempted, its token in flight
+    assert b.status == RequestStatus.PREEMPTED and b.num_steps_in_flight == 1 and s1[0].num_scheduled_tokens == {"a": 1}
+    sched.update_from_output(*s0)
+    assert b.output_token_ids == expected_output(b) and b.num_output_tokens == 1  # kept while waiting
+    sched.update_from_output(*s1)
+    assert sched.schedule().scheduled_new_reqs == []  # no blocks yet; b waits for a
