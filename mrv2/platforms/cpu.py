@@ -68,7 +68,7 @@ class CpuPlatform(Platform):
     def device_queue(self, async_scheduling: bool) -> DeviceQueue:
         # CPU ops run synchronously: a worker thread stands in for the stream, so the host
         # can schedule and prepare the next step while this one computes.
-        return WorkerThreadQueue(self.configure_threads) if async_scheduling else InlineQueue()
+        return WorkerThreadQueue(self.configure_threads) if async_scheduling else InlineQueue(synchronous=True)
 
     def graph_backend(self, config: GraphConfig) -> GraphBackend:
         # Piecewise on the CPU only pays compiled: uncompiled pieces are eager plus copies

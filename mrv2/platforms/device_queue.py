@@ -53,7 +53,13 @@ class _Future(Pending[T]):
 
 
 class DeviceQueue(ABC):
-    """Runs device work in launch order."""
+    """Runs device work in launch order.
+
+    `synchronous`: the work has finished when `launch` returns (the CPU without async
+    scheduling), so the caller's thread spends that time on device work.
+    """
+
+    synchronous: bool = False
 
     @abstractmethod
     def launch(self, work: Callable[[], T]) -> Pending[T]:
@@ -65,6 +71,9 @@ class DeviceQueue(ABC):
 
 class InlineQueue(DeviceQueue):
     """Runs work on the caller's thread: kernel launches on accelerators, the serial loop on the CPU."""
+
+    def __init__(self, synchronous: bool = False) -> None:
+        self.synchronous = synchronous
 
     def launch(self, work: Callable[[], T]) -> Pending[T]:
         return _Done(_inference(work))

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from mrv2.sample.metadata import SamplingMetadata
 from mrv2.sample.sampler import Sampler
 
 logger = logging.getLogger("mrv2")
+T = TypeVar("T")
 
 
 class ModelRunner:
@@ -154,7 +155,7 @@ class ModelRunner:
             if sched.is_empty:
                 self._pending = None
                 if writes:
-                    self.queue.launch(partial(_apply_writes, writes))
+                    self._launch(partial(_apply_writes, writes))
                 return
             req_ids, idx, num_scheduled = self._batch_order(sched)
             seq_lens = self.states.num_computed_cpu[idx] + num_scheduled
@@ -162,7 +163,7 @@ class ModelRunner:
             plan = self.inputs.plan(req_ids, idx, num_scheduled, self.states.num_computed_cpu, padding)
             flags = self._sampling_flags(idx)
             self.states.advance_host(idx, num_scheduled)
-        forward = self.queue.launch(partial(self._forward, writes, plan, desc))
+        forward = self._launch(partial(self._forward, writes, plan, desc))
         self._pending = _PendingStep(plan, forward, flags)
         self.timing.steps += 1
 
@@ -196,7 +197,13 @@ class ModelRunner:
                 self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, sampled)
                 return HostCopy.start(sampled, host, event)
 
-        return AsyncRunnerOutput(pending.plan.req_ids, self.queue.launch(sample), self.timing)
+        return AsyncRunnerOutput(pending.plan.req_ids, self._launch(sample), self.timing)
+
+    def _launch(self, work: Callable[[], T]) -> Pending[T]:
+        if not self.queue.synchronous:
+            return self.queue.launch(work)
+        with self.timing.phase("wait"):  # the host thread runs the device work itself
+            return self.queue.launch(work)
 
     def close(self) -> None:
         """Finish launched work and stop the device queue."""

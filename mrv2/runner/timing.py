@@ -14,7 +14,8 @@ class StepTiming:
     "prep" is the host's share of launching steps (diffs, batch order, staging);
     "forward" and "sample" are device work (on the CPU's worker thread with async
     scheduling, so they may overlap the host's phases); "wait" is the host blocked on
-    the device for sampled ids.
+    the device: for sampled ids, or, where device work runs synchronously on the
+    host's own thread (the serial CPU loop), for that work itself.
     """
 
     seconds: dict[str, float] = field(
@@ -33,6 +34,10 @@ class StepTiming:
             yield
         finally:
             self.seconds[name] += time.perf_counter() - t0
+
+    def wait_share(self, wall_seconds: float) -> float:
+        """The share of `wall_seconds` the host spent waiting for the device."""
+        return self.seconds["wait"] / wall_seconds if wall_seconds > 0 else 0.0
 
     def prep_share(self) -> float:
         """Host preparation as a share of prep + device time."""

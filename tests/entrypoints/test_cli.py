@@ -91,12 +91,28 @@ def test_bad_input_file_line_is_named(tmp_path: Path):
 def test_bench_throughput_compare_hf(tmp_path: Path):
     out = tmp_path / "bench.json"
     r = run("bench", "throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "8", "--compare", "hf",
-            "--json", str(out), "--max-model-len", "512")
+            "--json", str(out), "--max-model-len", "512", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
-    assert "output tok/s" in r.stdout and "ratio mrv2/hf" in r.stdout and "host-side input preparation" in r.stdout
-    result = json.loads(out.read_text())
+    assert "output tok/s" in r.stdout and "ratio mrv2/hf" in r.stdout and "host waits for the device" in r.stdout
+    result = json.loads(out.read_text())["4"]
     assert result["identical_completions"] == 4  # greedy, fp32: the same tokens as transformers
-    assert result["mrv2"]["output_tok_s"] > 0 and result["hf"]["output_tok_s"] > 0
+    mrv2 = result.get("async") or result["serial"]
+    assert mrv2["output_tok_s"] > 0 and result["hf"]["output_tok_s"] > 0
+
+
+def test_bench_throughput_compares_async_on_and_off(tmp_path: Path):
+    out = tmp_path / "bench.json"
+    r = run("bench", "throughput", "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "6", "--compare",
+            "async", "--repeat", "2", "--json", str(out), "--max-model-len", "256", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert set(result) == {"1", "3"}
+    for b, res in result.items():
+        assert res["identical_completions"] == int(b)
+        assert res["ratio_async_over_serial"] > 0
+        for side in ("async", "serial"):
+            assert res[side]["output_tok_s"] > 0 and 0 < res[side]["host_wait_share"] <= 1
+    assert r.stdout.count("ratio async/serial") == 2
 
 
 def test_bench_decode_times_every_mode_side_by_side():
