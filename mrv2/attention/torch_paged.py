@@ -81,9 +81,13 @@ class TorchPagedAttention(AttentionBackend):
             causal = j[None, None, :] <= q_pos[:, :, None]
             # Padded query rows attend key 0 only, so softmax never sees an empty row.
             mask = torch.where(q_valid[:, :, None], causal, j[None, None, :] == 0)
-            flat = torch.arange(q_valid.numel(), device=blocks.device).view_as(q_valid)
+            # Row-major position of each prefill token in the padded [P, Lq] output, from
+            # host-known sizes only (no boolean indexing: its size would be data-dependent).
+            tokens = torch.arange(int(qsl_cpu[nd]), common.num_tokens, device=blocks.device)
+            rows = torch.searchsorted(common.query_start_loc[nd + 1:n + 1], tokens, right=True)
+            out_index = rows * max_q + tokens - starts[rows]
             prefill = _Group(blocks, n - nd, num_keys, mask[:, None], torch.where(q_valid, starts[:, None] + i, 0),
-                             flat[q_valid])
+                             out_index)
         return TorchPagedMetadata(common.slot_mapping, nd, int(qsl_cpu[nd]), decode, prefill)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -105,6 +105,7 @@ class InputBuffers:
         # Host staging: [idx_mapping | num_scheduled | query_start_loc] travel in one copy.
         self._staging = [torch.zeros(3 * max_num_reqs + 1, dtype=torch.int64, pin_memory=pin_memory)
                          for _ in range(2)]
+        self._staging_np = [t.numpy() for t in self._staging]  # host views, taken once
         self._next_staging = 0
         self._max_num_reqs = max_num_reqs
 
@@ -126,9 +127,8 @@ class InputBuffers:
         np.cumsum(num_scheduled_cpu, out=qsl_cpu[1:])
         if ba > b:
             qsl_cpu = pad_query_start_loc(qsl_cpu, b, ba, ta)
-        staging = self._staging[self._next_staging]
+        staging, host = self._staging[self._next_staging], self._staging_np[self._next_staging]
         self._next_staging ^= 1
-        host = staging.numpy()
         host[:b] = idx_cpu
         host[r:r + b] = num_scheduled_cpu
         host[2 * r:2 * r + ba + 1] = qsl_cpu

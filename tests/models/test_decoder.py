@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import step_with_logits
+
 from mrv2 import LLM, SamplingParams
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True),
@@ -53,11 +55,9 @@ def test_logits_match_transformers_on_prefill_and_decode(tiny_checkpoint, arch, 
     tokens = list(prompt)
     checked = 0
     while engine.has_unfinished_requests():
-        sched = engine.scheduler.schedule()
-        engine.runner.execute_model(sched)
-        logits = engine.runner._pending.logits[0]
-        out = engine.runner.sample_tokens()
-        (req,) = [r for r in engine.scheduler.update_from_output(sched, out)] or [None]
+        updated, logits = step_with_logits(engine)
+        logits = logits[0]
+        (req,) = updated or [None]
         if req is None:
             continue  # a partial prefill chunk (19 tokens in chunks of 8)
         with torch.no_grad():
@@ -88,10 +88,8 @@ def test_bfloat16_runs_close_to_fp32(tiny_checkpoint):
     prompt = _prompts((12,))[0]
     engine.add_request(engine.make_request({"prompt_token_ids": prompt},
                                            SamplingParams(temperature=0, max_tokens=1)))
-    sched = engine.scheduler.schedule()
-    engine.runner.execute_model(sched)
-    logits = engine.runner._pending.logits[0]
-    engine.scheduler.update_from_output(sched, engine.runner.sample_tokens())
+    _, logits = step_with_logits(engine)
+    logits = logits[0]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0, -1]
     assert logits.dtype == torch.float32

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import step_with_logits
+
 from mrv2 import LLM, SamplingParams
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
@@ -88,10 +90,8 @@ def _step_logits(llm, prompt, steps):
                                            SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)))
     tokens = list(prompt)
     while engine.has_unfinished_requests():
-        sched = engine.scheduler.schedule()
-        engine.runner.execute_model(sched)
-        logits = engine.runner._pending.logits[0].clone()
-        updated = engine.scheduler.update_from_output(sched, engine.runner.sample_tokens())
+        updated, logits = step_with_logits(engine)
+        logits = logits[0] if logits is not None else None
         if updated:
             yield list(tokens), logits
             tokens.append(updated[0].output_token_ids[-1])
