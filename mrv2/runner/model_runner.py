@@ -28,6 +28,7 @@ from mrv2.runner.states import RequestStates
 from mrv2.runner.timing import StepTiming
 from mrv2.sample.metadata import SamplingMetadata
 from mrv2.sample.sampler import Sampler
+from mrv2.sampling_params import is_greedy
 
 logger = logging.getLogger("mrv2")
 
@@ -188,7 +189,7 @@ class ModelRunner:
         return SamplingMetadata(
             temperature=s.temperature[idx], top_k=s.top_k[idx], top_p=s.top_p[idx], min_p=s.min_p[idx],
             seeds=s.seeds[idx], positions=s.num_tokens[idx].long(),
-            all_greedy=bool((temperature == 0).all()), all_random=bool((temperature > 0).all()),
+            all_greedy=bool(is_greedy(temperature).all()), all_random=not is_greedy(temperature).any(),
             no_top_k=bool(((s.top_k_cpu[idx_cpu] <= 0) | (s.top_k_cpu[idx_cpu] >= vocab)).all()),
             no_top_p=bool((s.top_p_cpu[idx_cpu] >= 1.0).all()),
             no_min_p=bool((s.min_p_cpu[idx_cpu] <= 0.0).all()),

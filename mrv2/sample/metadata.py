@@ -7,15 +7,14 @@ from typing import Sequence
 
 import torch
 
-# Temperatures below this are greedy, as in vLLM: dividing by them would overflow.
-GREEDY_EPS = 1e-5
+from mrv2.sampling_params import GREEDY_EPS, is_greedy
 
 
 @dataclass
 class SamplingMetadata:
     """Sampling parameters of one step's batch, one row per sampled token, in batch order.
 
-    temperature float32 [B] (< GREEDY_EPS: greedy), top_k int32 [B] (<= 0 or >= vocab:
+    temperature float32 [B] (`is_greedy`: greedy), top_k int32 [B] (<= 0 or >= vocab:
     disabled), top_p float32 [B] (1: disabled), min_p float32 [B] (0: disabled), seeds
     int64 [B], positions int64 [B] (the position of the token being sampled, i.e. the
     sequence length before it). The bools are known on the host ahead of time and only
@@ -55,7 +54,7 @@ class SamplingMetadata:
         top_k = [0] * n if top_k is None else list(top_k)
         top_p = [1.0] * n if top_p is None else list(top_p)
         min_p = [0.0] * n if min_p is None else list(min_p)
-        greedy = [t < GREEDY_EPS for t in temperature]
+        greedy = [is_greedy(t) for t in temperature]
         uses_k = [0 < k < vocab_size for k in top_k]
         uses_p = [p < 1.0 for p in top_p]
         bounds = [k if uk else vocab_size for k, uk, up in zip(top_k, uses_k, uses_p) if uk or up]

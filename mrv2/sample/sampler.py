@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from mrv2.sample.gumbel import gumbel_sample
-from mrv2.sample.metadata import GREEDY_EPS, SamplingMetadata
+from mrv2.sample.metadata import SamplingMetadata
+from mrv2.sampling_params import GREEDY_EPS, is_greedy
 
 _NEG_INF = float("-inf")
 
@@ -97,4 +98,4 @@ class Sampler:
             sampled = gumbel_sample(scaled, md.seeds, md.positions)
         if md.all_random:
             return sampled
-        return torch.where(md.temperature < GREEDY_EPS, logits.argmax(dim=-1), sampled)
+        return torch.where(is_greedy(md.temperature), logits.argmax(dim=-1), sampled)
