@@ -135,10 +135,8 @@ class LLMEngine:
         params.validate()
         text, ids = self.tokenize(prompt)
         self.scheduler.validate_prompt(ids)
-        eos = self.eos_token_ids
-        if len(eos) > 1:  # secondary EOS ids (e.g. Llama 3's <|eot_id|>) stop like stop tokens
-            params = replace(params, stop_token_ids=list(params.stop_token_ids) + eos[1:])
-        request = Request(request_id or str(next(self._ids)), ids, params, eos[0] if eos else None)
+        # Every EOS id (Llama 3's <|eot_id|> too) is EOS: ignore_eos ignores them all.
+        request = Request(request_id or str(next(self._ids)), ids, params, self.eos_token_ids)
         request.prompt = text
         return request
 

@@ -31,3 +31,19 @@ def test_tiny_temperature_is_greedy_alone_and_in_a_mixed_batch(tiny_checkpoint):
     random = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True) for s in range(4)]
     mixed = _tokens(llm, PROMPTS, [tiny] + random)[0]
     assert alone == greedy and mixed == greedy
+
+
+def test_secondary_eos_is_eos_and_ignore_eos_ignores_it(tiny_checkpoint):
+    llm = _tiny_llm(tiny_checkpoint)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ref = _tokens(llm, PROMPTS[:1], greedy)[0]
+    eot = ref[1]
+    assert llm.engine.eos_token_ids[0] not in ref[:2] and eot not in ref[:1]
+    llm.engine.eos_token_ids = [llm.engine.eos_token_ids[0], eot]  # as a Llama 3 config lists <|eot_id|>
+    assert _tokens(llm, PROMPTS[:1], greedy)[0] == ref
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert out.outputs[0].token_ids == ref[:2] and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason is None
+    request = llm.engine.make_request({"prompt_token_ids": PROMPTS[0]}, SamplingParams(stop_token_ids=[7]))
+    assert request.eos_token_ids == (llm.engine.eos_token_ids[0], eot)
+    assert request.sampling_params.stop_token_ids == [7]
