@@ -62,12 +62,21 @@ class AttentionBackend(ABC):
         """Per-step metadata shared by all layers."""
 
     # -- graph-capture hooks (called by the graph manager, never by the runner) --
+    #
+    # Memory a captured graph reads or writes lives as long as that graph: a device
+    # graph replays into the very addresses it recorded, so freeing such memory after
+    # capture would make replays read and write freed (reused) memory. Memory is saved
+    # by sharing, not freeing: e.g. one workspace sized for the largest descriptor
+    # (descriptors are captured largest first), allocated once and used by every graph.
 
     def before_capture(self, descriptor: Any) -> None:
-        """Allocate what a graph for `descriptor` needs (e.g. a workspace)."""
+        """Allocate, or reuse, what a graph for `descriptor` needs (e.g. the shared workspace)."""
 
     def after_capture(self, descriptor: Any) -> None:
-        """Drop strong references that replay does not need."""
+        """Drop references that replay does not read (e.g. capture-only host staging).
+
+        Never free or reassign memory the graph for `descriptor` reads or writes.
+        """
 
     def prepare_replay(self, descriptor: Any, metadata: Any) -> None:
         """Update parameters that live outside the graph before a replay."""
