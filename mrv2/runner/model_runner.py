@@ -56,7 +56,7 @@ class ModelRunner:
 
         self.attn_backend = get_attention_backend(attention_kind(hf_config))
         with torch.device(self.device):
-            self.model = build_model(hf_config, self.attn_backend, dtype)
+            self.model = build_model(hf_config, self.attn_backend, dtype, self.max_model_len)
         self.model.load_weights(weights)
         self.model.eval()
 
