@@ -109,7 +109,6 @@ class ModelRunner:
                                           self.block_size, alignment, self.device)
         for layer, cache in zip(self.model.attention_layers(), self.kv_cache.layers):
             layer.kv_cache = cache
-        self.kv_cache.ensure_initialized([0])  # block 0 takes padding reads and writes
         return self.kv_cache
 
     def capture_graphs(self) -> None:
@@ -122,19 +121,14 @@ class ModelRunner:
     def _apply_scheduler_diffs(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.states.remove(req_id)
-        new_blocks: list[int] = []
         for req in sched.scheduled_new_reqs:
             slot = self.states.add(req)
             self.block_tables.reset(slot)
             self.block_tables.append(slot, req.block_ids)
-            new_blocks += req.block_ids
         cached = sched.scheduled_cached_reqs
         for req_id, blocks in zip(cached.req_ids, cached.new_block_ids):
             if blocks:
                 self.block_tables.append(self.states.slot_of[req_id], blocks)
-                new_blocks += blocks
-        if new_blocks:
-            self.kv_cache.ensure_initialized(new_blocks)
         self.states.apply_staged()
         self.block_tables.apply_staged()
 
