@@ -26,9 +26,8 @@ from mrv2.runner.input_batch import InputBuffers, StepBatch
 from mrv2.runner.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
 from mrv2.runner.states import RequestStates
 from mrv2.runner.timing import StepTiming
-from mrv2.sample.metadata import SamplingMetadata
 from mrv2.sample.sampler import Sampler
-from mrv2.sampling_params import is_greedy
+from mrv2.sample.states import SamplingStates
 
 logger = logging.getLogger("mrv2")
 
@@ -61,7 +60,9 @@ class ModelRunner:
         self.model.eval()
 
         max_blocks = -(-self.max_model_len // self.block_size)
-        self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device, pin, config.model.seed)
+        self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device, pin)
+        self.sampling = SamplingStates(self.max_num_reqs, self.model.config.vocab_size, self.device, pin,
+                                       config.model.seed)
         self.block_tables = BlockTables(self.max_num_reqs, max_blocks, self.block_size, self.device, pin)
         self.inputs = InputBuffers(self.max_num_reqs, self.max_num_tokens, max_blocks, self.device, pin)
         self.sampler = Sampler()
@@ -123,6 +124,7 @@ class ModelRunner:
             self.states.remove(req_id)
         for req in sched.scheduled_new_reqs:
             slot = self.states.add(req)
+            self.sampling.add_request(slot, req.sampling_params)
             self.block_tables.reset(slot)
             self.block_tables.append(slot, req.block_ids)
         cached = sched.scheduled_cached_reqs
@@ -130,6 +132,7 @@ class ModelRunner:
             if blocks:
                 self.block_tables.append(self.states.slot_of[req_id], blocks)
         self.states.apply_staged()
+        self.sampling.apply_staged_writes()
         self.block_tables.apply_staged()
 
     def _batch_order(self, sched: SchedulerOutput) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -170,21 +173,9 @@ class ModelRunner:
         batch, logits = self._pending.batch, self._pending.logits
         self._pending = None
         with self.timing.phase("sample"):
-            sampled = self.sampler(logits, self._sampling_metadata(batch))
+            positions = self.states.num_tokens[batch.idx_mapping].long()  # of the tokens being sampled
+            sampled = self.sampler(logits, self.sampling.metadata(batch.idx_cpu, batch.idx_mapping, positions))
             self.states.post_update(batch.idx_mapping, batch.num_scheduled, sampled, batch.idx_cpu,
                                     batch.num_scheduled_cpu)
             tokens = sampled.tolist()
         return ModelRunnerOutput(batch.req_ids, tokens)
-
-    def _sampling_metadata(self, batch: StepBatch) -> SamplingMetadata:
-        s, idx, idx_cpu = self.states, batch.idx_mapping, batch.idx_cpu
-        temperature = s.temperature_cpu[idx_cpu]
-        vocab = self.model.config.vocab_size
-        return SamplingMetadata(
-            temperature=s.temperature[idx], top_k=s.top_k[idx], top_p=s.top_p[idx], min_p=s.min_p[idx],
-            seeds=s.seeds[idx], positions=s.num_tokens[idx].long(),
-            all_greedy=bool(is_greedy(temperature).all()), all_random=not is_greedy(temperature).any(),
-            no_top_k=bool(((s.top_k_cpu[idx_cpu] <= 0) | (s.top_k_cpu[idx_cpu] >= vocab)).all()),
-            no_top_p=bool((s.top_p_cpu[idx_cpu] >= 1.0).all()),
-            no_min_p=bool((s.min_p_cpu[idx_cpu] <= 0.0).all()),
-        )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from mrv2.sampling_params import GREEDY_EPS, is_greedy
@@ -54,10 +55,6 @@ class SamplingMetadata:
         top_k = [0] * n if top_k is None else list(top_k)
         top_p = [1.0] * n if top_p is None else list(top_p)
         min_p = [0.0] * n if min_p is None else list(min_p)
-        greedy = [is_greedy(t) for t in temperature]
-        uses_k = [0 < k < vocab_size for k in top_k]
-        uses_p = [p < 1.0 for p in top_p]
-        bounds = [k if uk else vocab_size for k, uk, up in zip(top_k, uses_k, uses_p) if uk or up]
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int32, device=device),
@@ -65,10 +62,23 @@ class SamplingMetadata:
             min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
             seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            no_top_k=not any(uses_k),
-            no_top_p=not any(uses_p),
-            no_min_p=all(m <= 0.0 for m in min_p),
-            max_top_k=max(bounds, default=None),
+            **host_flags(np.asarray(temperature, dtype=np.float32), np.asarray(top_k, dtype=np.int64),
+                         np.asarray(top_p, dtype=np.float32), np.asarray(min_p, dtype=np.float32), vocab_size),
         )
+
+
+def host_flags(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+               vocab_size: int) -> dict[str, Any]:
+    """SamplingMetadata's host flags from host copies of the batch's parameters, one entry per row.
+
+    The one place they are derived (`SamplingMetadata.from_lists` and the runner's
+    `SamplingStates.metadata` both call it): all_greedy, all_random, no_top_k, no_top_p,
+    no_min_p and max_top_k.
+    """
+    greedy = is_greedy(temperature)
+    uses_k = (top_k > 0) & (top_k < vocab_size)
+    uses_p = top_p < 1.0
+    bounds = np.where(uses_k, top_k, vocab_size)[uses_k | uses_p]
+    return dict(all_greedy=bool(greedy.all()), all_random=not greedy.any(), no_top_k=not uses_k.any(),
+                no_top_p=not uses_p.any(), no_min_p=bool((min_p <= 0.0).all()),
+                max_top_k=int(bounds.max()) if bounds.size else None)

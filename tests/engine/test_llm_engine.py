@@ -47,3 +47,20 @@ def test_secondary_eos_is_eos_and_ignore_eos_ignores_it(tiny_checkpoint):
     request = llm.engine.make_request({"prompt_token_ids": PROMPTS[0]}, SamplingParams(stop_token_ids=[7]))
     assert request.eos_token_ids == (llm.engine.eos_token_ids[0], eot)
     assert request.sampling_params.stop_token_ids == [7]
+
+
+def test_production_sampling_metadata_carries_max_top_k(tiny_checkpoint, monkeypatch):
+    """The runner's metadata bounds top-k, so top-k/top-p take the torch.topk fast path."""
+    llm = _tiny_llm(tiny_checkpoint)
+    runner = llm.engine.runner
+    seen = []
+    sampler = runner.sampler
+
+    def spy(logits, metadata):
+        seen.append((metadata.max_top_k, metadata.no_top_k))
+        return sampler(logits, metadata)
+
+    monkeypatch.setattr(runner, "sampler", spy)
+    params = [SamplingParams(temperature=1.0, top_k=k, seed=1, max_tokens=3) for k in (5, 40)]
+    _tokens(llm, PROMPTS[:2], params)
+    assert seen and all(bound == 40 and not no_top_k for bound, no_top_k in seen)
