@@ -124,7 +124,7 @@ class ModelRunner:
             self.states.remove(req_id)
         for req in sched.scheduled_new_reqs:
             slot = self.states.add(req)
-            self.sampling.add_request(slot, req.sampling_params)
+            self.sampling.add_request(slot, req.sampling_params, len(req.prompt_token_ids), req.eos_token_ids)
             self.block_tables.reset(slot)
             self.block_tables.append(slot, req.block_ids)
         cached = sched.scheduled_cached_reqs

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from mrv2.sample.min_tokens import MinTokensMetadata
 from mrv2.sampling_params import GREEDY_EPS, is_greedy
 
 
@@ -22,7 +23,8 @@ class SamplingMetadata:
     let the sampler skip work, so they may be conservative (False) but never wrong.
     `max_top_k`, when set, bounds the effective top-k of every row that uses top-k or
     top-p (a top-p row without top-k counts as the vocab size); below the vocab size it
-    replaces the full sort with `torch.topk`.
+    replaces the full sort with `torch.topk`. `min_tokens` is None when no row has a
+    minimum to enforce (see `mrv2.sample.min_tokens`).
     """
 
     temperature: torch.Tensor
@@ -37,6 +39,7 @@ class SamplingMetadata:
     no_top_p: bool
     no_min_p: bool
     max_top_k: int | None = None
+    min_tokens: MinTokensMetadata | None = None
 
     @classmethod
     def from_lists(

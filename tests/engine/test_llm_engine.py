@@ -64,3 +64,20 @@ def test_production_sampling_metadata_carries_max_top_k(tiny_checkpoint, monkeyp
     params = [SamplingParams(temperature=1.0, top_k=k, seed=1, max_tokens=3) for k in (5, 40)]
     _tokens(llm, PROMPTS[:2], params)
     assert seen and all(bound == 40 and not no_top_k for bound, no_top_k in seen)
+
+
+def test_min_tokens_masks_eos_and_stop_tokens(tiny_checkpoint):
+    """Until min_tokens outputs, EOS ids and stop tokens are never sampled (vLLM); afterwards they stop."""
+    llm = _tiny_llm(tiny_checkpoint)
+    ref = _tokens(llm, PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    eos = llm.engine.eos_token_ids[0]
+    llm.engine.eos_token_ids = [eos, ref[2]]  # a secondary EOS the model emits at output 2
+    stop = ref[1]
+    assert len({eos, ref[1], ref[2]}) == 3 and eos not in ref[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6, stop_token_ids=[stop])
+    out = _tokens(llm, PROMPTS[:2], [params, SamplingParams(temperature=0.0, max_tokens=3)])
+    assert len(out[0]) >= 6 and not {eos, ref[2], stop} & set(out[0][:6])
+    assert out[0][0] == ref[0]  # nothing masked that was not a stop id
+    random = SamplingParams(temperature=1.0, seed=5, max_tokens=12, min_tokens=6, stop_token_ids=[stop])
+    out = _tokens(llm, PROMPTS[:1], random)[0]
+    assert len(out) >= 6 and not {eos, ref[2], stop} & set(out[:6])

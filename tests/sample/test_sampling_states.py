@@ -68,3 +68,15 @@ def test_metadata_gathers_rows_and_derives_every_host_flag():
     s.add_request(0, SamplingParams(top_p=0.5))  # top-p without top-k: bounded by the vocab only
     assert _metadata(s, [0, 2]).max_top_k == VOCAB
     assert _metadata(s, [2]).all_random
+
+
+def test_min_tokens_rows_carry_eos_and_stop_ids_with_the_prompt_origin():
+    s = make_states()
+    s.add_request(0, SamplingParams(max_tokens=8))
+    s.add_request(1, SamplingParams(min_tokens=3, max_tokens=8, stop_token_ids=[11]), prompt_len=5,
+                  eos_token_ids=(2, 9))
+    s.apply_staged_writes()
+    assert _metadata(s, [0]).min_tokens is None  # no row has a minimum: the sampler skips it
+    md = _metadata(s, [0, 1]).min_tokens
+    assert md.min_tokens.tolist() == [0, 3] and md.prompt_len.tolist() == [0, 5]
+    assert sorted(t for t in md.stop_ids[1].tolist() if t >= 0) == [2, 9, 11]
