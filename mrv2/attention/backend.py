@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from mrv2.config import KVLayout
+from mrv2.runner.kv_cache import KVCacheSpec
 
 
 @dataclass
@@ -60,6 +61,15 @@ class AttentionBackend(ABC):
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         """Per-step metadata shared by all layers."""
+
+    def transient_bytes(self, num_reqs: int, num_tokens: int, max_seq_len: int, spec: KVCacheSpec) -> int:
+        """Peak bytes one layer's attention allocates and frees within a step of these sizes.
+
+        Layers run one at a time, so this is per layer, not summed. The runner adds it
+        to the memory it reserves for the largest step before sizing the KV cache
+        (the profile run attends without a cache, so it cannot see these). Default: none.
+        """
+        return 0
 
     # -- graph-capture hooks (called by the graph manager, never by the runner) --
     #

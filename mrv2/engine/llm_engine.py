@@ -85,8 +85,9 @@ class LLMEngine:
         if cfg.cache.kv_cache_memory is not None:
             budget = cfg.cache.kv_cache_memory
         else:
-            activation_bytes = self.runner.activation_bytes()
-            budget = int(self.platform.free_memory() * cfg.cache.memory_fraction) - activation_bytes
+            # The largest step (attention transients included) and the graphs captured after allocation.
+            reserved = self.runner.activation_bytes() + self.runner.graph_pool_bytes()
+            budget = int(self.platform.free_memory() * cfg.cache.memory_fraction) - reserved
             if self.platform.name == "cpu":
                 budget = min(budget, _CPU_DEFAULT_KV_CAP)
         num_blocks = num_blocks_for_budget(specs, cfg.cache.layout, cfg.cache.block_size, alignment, budget)

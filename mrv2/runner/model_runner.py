@@ -85,12 +85,16 @@ class ModelRunner:
     def activation_bytes(self) -> int:
         """Memory the largest step needs besides weights and KV cache.
 
-        Measured by a profile run (the largest step, no KV cache) where the platform
-        keeps peak statistics; estimated from the model's shapes where it does not.
+        The model's part is measured by a profile run (the largest step, no KV cache)
+        where the platform keeps peak statistics, and estimated from the model's shapes
+        where it does not. Either way the attention backend's transients at the largest
+        step are added: the profile run attends causally over its tokens without a
+        cache, so it never makes the paged gathers a real step of that size makes.
         """
         n = self.max_num_tokens
+        transient = self.attention_transient_bytes(self.max_num_reqs, n, self.max_model_len)
         if not self.platform.measures_peak_memory:
-            return self.model.estimate_activation_bytes(n, self.max_num_reqs)
+            return self.model.estimate_activation_bytes(n, self.max_num_reqs) + transient
         self.platform.synchronize()
         self.platform.reset_peak_memory()
         before = self.platform.peak_memory()
@@ -99,7 +103,26 @@ class ModelRunner:
         hidden = self.model(ids, positions, None)
         self.model.compute_logits(hidden[-self.max_num_reqs:])
         self.platform.synchronize()
-        return max(0, self.platform.peak_memory() - before)
+        return max(0, self.platform.peak_memory() - before) + transient
+
+    def attention_transient_bytes(self, num_reqs: int, num_tokens: int, max_seq_len: int) -> int:
+        """The backend's per-layer transient for a step of these sizes (keys padded to whole blocks)."""
+        keys = -(-max_seq_len // self.block_size) * self.block_size
+        return max((self.attn_backend.transient_bytes(num_reqs, num_tokens, keys, spec)
+                    for spec in self.kv_cache_specs()), default=0)
+
+    def graph_pool_bytes(self) -> int:
+        """Memory the captured graphs will keep, reserved when the KV cache is sized (capture comes after it).
+
+        An estimate, 0 where graphs keep no memory pool (the CPU): all graphs share one
+        pool and are captured largest first, so the pool holds about the largest
+        descriptor's activations (and, for FULL graphs, its attention transients), plus
+        the outputs every graph keeps at fixed addresses (see `ModelGraphs.pool_bytes`).
+        """
+        if self.graphs is None or not self.graphs.uses_pool:
+            return 0
+        return self.graphs.pool_bytes(self.model.estimate_activation_bytes, self.attention_transient_bytes,
+                                      self.model.config.hidden_size * self.dtype.itemsize)
 
     def initialize_kv_cache(self, num_blocks: int, alignment: int) -> KVCache:
         """Allocate the cache and bind each attention layer to its views."""
