@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+# The one greedy rule: temperatures below this are greedy, as in vLLM (dividing by them
+# would overflow). Every greedy decision (request, batch flags, sampler rows) uses it.
+GREEDY_EPS = 1e-5
+
+_T = TypeVar("_T")
+
+
+def is_greedy(temperature: _T) -> _T:
+    """True where `temperature` (a float, numpy array or tensor) means greedy decoding."""
+    return temperature < GREEDY_EPS
 
 
 @dataclass
 class SamplingParams:
     """How to sample one request's completion.
 
-    temperature == 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p == 1 and
+    temperature < GREEDY_EPS (e.g. 0) means greedy. top_k <= 0 (or -1) disables top-k; top_p == 1 and
     min_p == 0 disable those filters. A request with `seed` set draws the same
     tokens whatever else is in the batch.
     """
@@ -53,4 +65,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return bool(is_greedy(self.temperature))

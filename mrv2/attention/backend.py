@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from mrv2.config import KVLayout
+from mrv2.runner.kv_cache import KVCacheSpec
 
 
 @dataclass
@@ -61,13 +62,31 @@ class AttentionBackend(ABC):
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         """Per-step metadata shared by all layers."""
 
+    def transient_bytes(self, num_reqs: int, num_tokens: int, max_seq_len: int, spec: KVCacheSpec) -> int:
+        """Peak bytes one layer's attention allocates and frees within a step of these sizes.
+
+        Layers run one at a time, so this is per layer, not summed. The runner adds it
+        to the memory it reserves for the largest step before sizing the KV cache
+        (the profile run attends without a cache, so it cannot see these). Default: none.
+        """
+        return 0
+
     # -- graph-capture hooks (called by the graph manager, never by the runner) --
+    #
+    # Memory a captured graph reads or writes lives as long as that graph: a device
+    # graph replays into the very addresses it recorded, so freeing such memory after
+    # capture would make replays read and write freed (reused) memory. Memory is saved
+    # by sharing, not freeing: e.g. one workspace sized for the largest descriptor
+    # (descriptors are captured largest first), allocated once and used by every graph.
 
     def before_capture(self, descriptor: Any) -> None:
-        """Allocate what a graph for `descriptor` needs (e.g. a workspace)."""
+        """Allocate, or reuse, what a graph for `descriptor` needs (e.g. the shared workspace)."""
 
     def after_capture(self, descriptor: Any) -> None:
-        """Drop strong references that replay does not need."""
+        """Drop references that replay does not read (e.g. capture-only host staging).
+
+        Never free or reassign memory the graph for `descriptor` reads or writes.
+        """
 
     def prepare_replay(self, descriptor: Any, metadata: Any) -> None:
         """Update parameters that live outside the graph before a replay."""

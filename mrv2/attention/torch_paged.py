@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from mrv2.attention.backend import AttentionBackend, CommonAttentionMetadata
-from mrv2.runner.kv_cache import LayerKVCache
+from mrv2.runner.kv_cache import KVCacheSpec, LayerKVCache
 
 
 @dataclass
@@ -89,6 +89,13 @@ class TorchPagedAttention(AttentionBackend):
             prefill = _Group(blocks, n - nd, num_keys, mask[:, None], torch.where(q_valid, starts[:, None] + i, 0),
                              out_index)
         return TorchPagedMetadata(common.slot_mapping, nd, int(qsl_cpu[nd]), decode, prefill)
+
+    def transient_bytes(self, num_reqs: int, num_tokens: int, max_seq_len: int, spec: KVCacheSpec) -> int:
+        """The per-layer K/V gather at worst: every request in one group, keys padded to `max_seq_len`.
+
+        Plus the step's masks: `build_metadata` holds two bools per query and key at its peak.
+        """
+        return num_reqs * max_seq_len * spec.bytes_per_token + 2 * num_tokens * max_seq_len
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 cache: LayerKVCache | None, metadata: TorchPagedMetadata | None, scale: float) -> torch.Tensor:

@@ -93,8 +93,9 @@ class LLMEngine:
         if cfg.cache.kv_cache_memory is not None:
             budget = cfg.cache.kv_cache_memory
         else:
-            activation_bytes = self.runner.activation_bytes()
-            budget = int(self.platform.free_memory() * cfg.cache.memory_fraction) - activation_bytes
+            # The largest step (attention transients included) and the graphs captured after allocation.
+            reserved = self.runner.activation_bytes() + self.runner.graph_pool_bytes()
+            budget = int(self.platform.free_memory() * cfg.cache.memory_fraction) - reserved
             if self.platform.name == "cpu":
                 budget = min(budget, _CPU_DEFAULT_KV_CAP)
         num_blocks = num_blocks_for_budget(specs, cfg.cache.layout, cfg.cache.block_size, alignment, budget)
@@ -143,10 +144,8 @@ class LLMEngine:
         params.validate()
         text, ids = self.tokenize(prompt)
         self.scheduler.validate_prompt(ids)
-        eos = self.eos_token_ids
-        if len(eos) > 1:  # secondary EOS ids (e.g. Llama 3's <|eot_id|>) stop like stop tokens
-            params = replace(params, stop_token_ids=list(params.stop_token_ids) + eos[1:])
-        request = Request(request_id or str(next(self._ids)), ids, params, eos[0] if eos else None)
+        # Every EOS id (Llama 3's <|eot_id|> too) is EOS: ignore_eos ignores them all.
+        request = Request(request_id or str(next(self._ids)), ids, params, self.eos_token_ids)
         request.prompt = text
         return request
 

@@ -6,6 +6,7 @@ import enum
 import itertools
 import sys
 import time
+from collections.abc import Sequence
 
 from mrv2.sampling_params import SamplingParams
 
@@ -47,20 +48,22 @@ def validate_prompt_length(prompt_token_ids: list[int], max_model_len: int) -> N
 class Request:
     """One generation request as the scheduler tracks it.
 
-    `max_model_len` bounds prompt + output; the scheduler fills it in on `add_request`
-    when left None. `num_computed_tokens` counts tokens whose KV is written (or
-    scheduled to be written in the steps in flight). With async scheduling a request
-    may be scheduled again before its sampled token reaches the host: each such token
-    is an output placeholder until it arrives.
+    `eos_token_ids` are the model's end-of-sequence ids, the primary one first and any
+    secondary ones (Llama 3's `<|eot_id|>`) after it: all of them end the request
+    unless `ignore_eos` is set. `max_model_len` bounds prompt + output; the scheduler
+    fills it in on `add_request` when left None. `num_computed_tokens` counts tokens
+    whose KV is written (or scheduled to be written in the steps in flight). With async
+    scheduling a request may be scheduled again before its sampled token reaches the
+    host: each such token is an output placeholder until it arrives.
     """
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_id: int | None = None, max_model_len: int | None = None,
+                 eos_token_ids: Sequence[int] = (), max_model_len: int | None = None,
                  arrival_time: float | None = None) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len
         self.arrival_index = next(_arrival_counter)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -114,7 +117,7 @@ class Request:
         params = self.sampling_params
         if self.output_token_ids and self.num_output_tokens >= params.min_tokens:
             last = self.output_token_ids[-1]
-            if not params.ignore_eos and last == self.eos_token_id:
+            if not params.ignore_eos and last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True
             if last in params.stop_token_ids:

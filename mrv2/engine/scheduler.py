@@ -170,7 +170,8 @@ class Scheduler:
                 NewRequestData(req_id=r.req_id, prompt_token_ids=list(r.prompt_token_ids),
                                all_token_ids=list(r.all_token_ids), sampling_params=r.sampling_params,
                                block_ids=list(r.block_ids),
-                               num_computed_tokens=r.num_computed_tokens - num_scheduled[r.req_id])
+                               num_computed_tokens=r.num_computed_tokens - num_scheduled[r.req_id],
+                               eos_token_ids=r.eos_token_ids)
                 for r in new],
             scheduled_cached_reqs=CachedRequestData(
                 req_ids=[r.req_id for r, _ in cached],

@@ -24,6 +24,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_ids: tuple[int, ...] = ()  # every EOS id: min_tokens masks them
 
 
 @dataclass(frozen=True)

@@ -90,10 +90,11 @@ def _read_inputs(path: str) -> list[Any]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from mrv2 import LLM
+    from mrv2.sampling_params import is_greedy
 
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give a prompt or --input FILE (exactly one)")
-    params = sampling_params(args, args.seed if args.temperature > 0 else None)
+    params = sampling_params(args, args.seed if not is_greedy(args.temperature) else None)
     llm = LLM(**engine_kwargs(args))
     if args.input is None:
         if args.chat:

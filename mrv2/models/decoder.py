@@ -36,7 +36,7 @@ class DecoderConfig:
     head_dim: int
     rms_norm_eps: float
     rope: RopeConfig
-    max_position: int
+    max_position: int  # positions the rotary cache covers (build_model: max_model_len)
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool

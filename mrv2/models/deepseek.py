@@ -1,7 +1,8 @@
 """DeepSeek-V2 and V3: multi-head latent attention (MLA) and mixture-of-experts layers.
 
-The attention module owns its rotary embedding (plain or YaRN, on the decoupled rope
-dims, in the layout transformers uses for the version) and hands the backend only the
+All attention modules share one rotary embedding (plain or YaRN, on the decoupled rope
+dims, in the layout transformers uses for the version; its cache covers the positions
+the model is built for) and hand the backend only the
 latent, the rotated rope key and the query parts; the KV cache stores
 kv_lora_rank + qk_rope_head_dim values per token and layer.
 """
@@ -41,7 +42,7 @@ class DeepseekConfig:
     rms_norm_eps: float
     rope: RopeConfig
     rotary_style: str
-    max_position: int
+    max_position: int  # positions the rotary cache covers (build_model: max_model_len)
     attention_bias: bool
     mlp_bias: bool
     hidden_act: str
@@ -74,7 +75,8 @@ class DeepseekConfig:
 class MLAAttention(nn.Module):
     """Multi-head latent attention; the backend sees latents, never full per-head keys in the cache."""
 
-    def __init__(self, cfg: DeepseekConfig, backend: TorchMLAAttention, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DeepseekConfig, backend: TorchMLAAttention, rotary: RotaryEmbedding,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         self.cfg = cfg
         h, qk_dim = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -89,7 +91,7 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, [h * (cfg.qk_nope_head_dim + cfg.v_head_dim)], False, dtype)
         self.o_proj = Linear(h * cfg.v_head_dim, [cfg.hidden_size], cfg.attention_bias, dtype)
-        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position, cfg.rope, dtype, cfg.rotary_style)
+        self.rotary = rotary
         self.scale = yarn_softmax_scale(cfg.rope, qk_dim)
         self.backend = backend
         self.kv_cache: LayerKVCache | None = None
@@ -123,7 +125,8 @@ class DeepseekForCausalLM(CausalLM):
     def __init__(self, cfg: DeepseekConfig, backend: TorchMLAAttention, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = cfg
-        self._build([PreNormBlock(cfg.hidden_size, cfg.rms_norm_eps, MLAAttention(cfg, backend, dtype),
+        rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position, cfg.rope, dtype, cfg.rotary_style)
+        self._build([PreNormBlock(cfg.hidden_size, cfg.rms_norm_eps, MLAAttention(cfg, backend, rotary, dtype),
                                   FusedMoE(cfg.moe, dtype) if cfg.is_moe_layer(i) else
                                   GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, cfg.hidden_act),
                                   dtype) for i in range(cfg.num_layers)], dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,13 +26,20 @@ def attention_kind(hf_config: Any) -> str:
     return "mla" if architecture_of(hf_config) in MLA_ARCHITECTURES else "gqa"
 
 
-def build_model(hf_config: Any, backend: AttentionBackend, dtype: torch.dtype) -> nn.Module:
-    """An uninitialised model for `hf_config` (weights are loaded afterwards)."""
+def build_model(hf_config: Any, backend: AttentionBackend, dtype: torch.dtype,
+                max_model_len: int | None = None) -> nn.Module:
+    """An uninitialised model for `hf_config` (weights are loaded afterwards).
+
+    The shared rotary cache covers `max_model_len` positions (default: the config's
+    max_position_embeddings); no position the engine runs reaches past it.
+    """
     arch = architecture_of(hf_config)
     if arch in DECODER_ARCHITECTURES:
-        return DecoderForCausalLM(DecoderConfig.from_hf(hf_config), backend, dtype)
+        cfg = DecoderConfig.from_hf(hf_config)
+        return DecoderForCausalLM(replace(cfg, max_position=max_model_len or cfg.max_position), backend, dtype)
     if arch in MLA_ARCHITECTURES:
         from mrv2.models.deepseek import DeepseekConfig, DeepseekForCausalLM
 
-        return DeepseekForCausalLM(DeepseekConfig.from_hf(hf_config), backend, dtype)
+        cfg = DeepseekConfig.from_hf(hf_config)
+        return DeepseekForCausalLM(replace(cfg, max_position=max_model_len or cfg.max_position), backend, dtype)
     raise UnsupportedArchitectureError(arch, SUPPORTED_ARCHITECTURES)

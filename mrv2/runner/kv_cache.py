@@ -16,9 +16,7 @@ default, 2 MiB when a KV transfer is configured).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
 
 import torch
 
@@ -73,10 +71,9 @@ class LayerKVCache:
 class KVCache:
     """All layers' caches and the raw allocation they are views of.
 
-    The allocation is left uninitialised (zeroing gigabytes would cost start-up time
-    and commit memory); a block is zeroed the first time it is handed to a request,
-    since backends that read whole blocks multiply masked-out slots by zero and an
-    uninitialised NaN would survive that.
+    The allocation is zeroed once, when it is made (this commits the memory, as vLLM's
+    does): backends that read whole blocks multiply masked-out slots by zero, and an
+    uninitialised NaN would survive that. Nothing is zeroed per step.
     """
 
     layers: list[LayerKVCache]
@@ -84,23 +81,6 @@ class KVCache:
     num_blocks: int
     block_size: int
     alignment: int
-    initialized: np.ndarray = field(default=None)  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        if self.initialized is None:
-            self.initialized = np.zeros(self.num_blocks, dtype=bool)
-
-    def ensure_initialized(self, block_ids: list[int]) -> None:
-        """Zero the blocks among `block_ids` that were never used."""
-        ids = np.asarray(block_ids, dtype=np.int64)
-        fresh = np.unique(ids[~self.initialized[ids]])
-        if fresh.size == 0:
-            return
-        self.initialized[fresh] = True
-        index = torch.from_numpy(fresh).to(self.raw.device)
-        for layer in self.layers:
-            for t in [layer.joint] if layer.joint is not None else layer.parts.values():
-                t.index_fill_(0, index, 0)
 
 
 def _align(n: int, alignment: int) -> int:
@@ -132,12 +112,12 @@ def num_blocks_for_budget(specs: list[KVCacheSpec], layout: KVLayout, block_size
 
 def allocate_kv_cache(specs: list[KVCacheSpec], layout: KVLayout, num_blocks: int, block_size: int,
                       alignment: int, device: torch.device) -> KVCache:
-    """Allocate one raw buffer and cut every layer's (aligned) views from it."""
+    """Allocate one zeroed raw buffer and cut every layer's (aligned) views from it."""
     if num_blocks < 2:
         raise ValueError(f"the KV cache needs at least 2 blocks (one is reserved), got {num_blocks}")
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a positive power of two, got {alignment}")
-    raw = torch.empty(kv_cache_bytes(specs, layout, num_blocks, block_size, alignment),
+    raw = torch.zeros(kv_cache_bytes(specs, layout, num_blocks, block_size, alignment),
                       dtype=torch.uint8, device=device)
     offset = -raw.data_ptr() % alignment
     layers = []

@@ -8,7 +8,6 @@ device. Model, attention and sampling logic live in their own packages.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -32,8 +31,9 @@ from mrv2.runner.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
 from mrv2.runner.staged_writes import StagedWrite
 from mrv2.runner.states import RequestStates
 from mrv2.runner.timing import StepTiming
-from mrv2.sample.metadata import SamplingMetadata
+from mrv2.sample.metadata import SamplingFlags
 from mrv2.sample.sampler import Sampler
+from mrv2.sample.states import SamplingStates
 
 logger = logging.getLogger("mrv2")
 T = TypeVar("T")
@@ -56,12 +56,14 @@ class ModelRunner:
 
         self.attn_backend = get_attention_backend(attention_kind(hf_config))
         with torch.device(self.device):
-            self.model = build_model(hf_config, self.attn_backend, dtype)
+            self.model = build_model(hf_config, self.attn_backend, dtype, self.max_model_len)
         self.model.load_weights(weights)
         self.model.eval()
 
         max_blocks = -(-self.max_model_len // self.block_size)
-        self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device, pin, config.model.seed)
+        self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device, pin)
+        self.sampling = SamplingStates(self.max_num_reqs, self.model.config.vocab_size, self.device, pin,
+                                       config.model.seed)
         self.block_tables = BlockTables(self.max_num_reqs, max_blocks, self.block_size, self.device, pin)
         self.inputs = InputBuffers(self.max_num_reqs, self.max_num_tokens, max_blocks, self.device, pin)
         self.sampler = Sampler()
@@ -90,12 +92,16 @@ class ModelRunner:
     def activation_bytes(self) -> int:
         """Memory the largest step needs besides weights and KV cache.
 
-        Measured by a profile run (the largest step, no KV cache) where the platform
-        keeps peak statistics; estimated from the model's shapes where it does not.
+        The model's part is measured by a profile run (the largest step, no KV cache)
+        where the platform keeps peak statistics, and estimated from the model's shapes
+        where it does not. Either way the attention backend's transients at the largest
+        step are added: the profile run attends causally over its tokens without a
+        cache, so it never makes the paged gathers a real step of that size makes.
         """
         n = self.max_num_tokens
+        transient = self.attention_transient_bytes(self.max_num_reqs, n, self.max_model_len)
         if not self.platform.measures_peak_memory:
-            return self.model.estimate_activation_bytes(n, self.max_num_reqs)
+            return self.model.estimate_activation_bytes(n, self.max_num_reqs) + transient
         self.platform.synchronize()
         self.platform.reset_peak_memory()
         before = self.platform.peak_memory()
@@ -104,7 +110,26 @@ class ModelRunner:
         hidden = self.model(ids, positions, None)
         self.model.compute_logits(hidden[-self.max_num_reqs:])
         self.platform.synchronize()
-        return max(0, self.platform.peak_memory() - before)
+        return max(0, self.platform.peak_memory() - before) + transient
+
+    def attention_transient_bytes(self, num_reqs: int, num_tokens: int, max_seq_len: int) -> int:
+        """The backend's per-layer transient for a step of these sizes (keys padded to whole blocks)."""
+        keys = -(-max_seq_len // self.block_size) * self.block_size
+        return max((self.attn_backend.transient_bytes(num_reqs, num_tokens, keys, spec)
+                    for spec in self.kv_cache_specs()), default=0)
+
+    def graph_pool_bytes(self) -> int:
+        """Memory the captured graphs will keep, reserved when the KV cache is sized (capture comes after it).
+
+        An estimate, 0 where graphs keep no memory pool (the CPU): all graphs share one
+        pool and are captured largest first, so the pool holds about the largest
+        descriptor's activations (and, for FULL graphs, its attention transients), plus
+        the outputs every graph keeps at fixed addresses (see `ModelGraphs.pool_bytes`).
+        """
+        if self.graphs is None or not self.graphs.uses_pool:
+            return 0
+        return self.graphs.pool_bytes(self.model.estimate_activation_bytes, self.attention_transient_bytes,
+                                      self.model.config.hidden_size * self.dtype.itemsize)
 
     def initialize_kv_cache(self, num_blocks: int, alignment: int) -> KVCache:
         """Allocate the cache and bind each attention layer to its views."""
@@ -115,7 +140,6 @@ class ModelRunner:
                                           self.block_size, alignment, self.device)
         for layer, cache in zip(self.model.attention_layers(), self.kv_cache.layers):
             layer.kv_cache = cache
-        self.kv_cache.ensure_initialized(list(range(self.kv_cache.num_blocks)))
         return self.kv_cache
 
     def capture_graphs(self) -> None:
@@ -131,13 +155,14 @@ class ModelRunner:
             self.states.remove(req_id)
         for req in sched.scheduled_new_reqs:
             slot = self.states.add(req)
+            self.sampling.add_request(slot, req.sampling_params, len(req.prompt_token_ids), req.eos_token_ids)
             self.block_tables.reset(slot)
             self.block_tables.append(slot, req.block_ids)
         cached = sched.scheduled_cached_reqs
         for req_id, blocks in zip(cached.req_ids, cached.new_block_ids):
             if blocks:
                 self.block_tables.append(self.states.slot_of[req_id], blocks)
-        return self.states.take_staged() + self.block_tables.take_staged()
+        return self.states.take_staged() + self.sampling.take_staged() + self.block_tables.take_staged()
 
     def _batch_order(self, sched: SchedulerOutput) -> tuple[list[str], np.ndarray, np.ndarray]:
         req_ids = list(sched.num_scheduled_tokens)
@@ -161,7 +186,7 @@ class ModelRunner:
             seq_lens = self.states.num_computed_cpu[idx] + num_scheduled
             desc, padding = self.graphs.plan(num_scheduled, seq_lens) if self.graphs else (None, None)
             plan = self.inputs.plan(req_ids, idx, num_scheduled, self.states.num_computed_cpu, padding)
-            flags = self._sampling_flags(idx)
+            flags = self.sampling.host_flags(idx)
             self.states.advance_host(idx, num_scheduled)
         forward = self._launch(partial(self._forward, writes, plan, desc))
         self._pending = _PendingStep(plan, forward, flags)
@@ -193,7 +218,8 @@ class ModelRunner:
         def sample() -> HostCopy:
             batch, logits = pending.forward.result()
             with self.timing.phase("sample"):
-                sampled = self.sampler(logits, self._sampling_metadata(batch, pending.flags))
+                positions = self.states.num_tokens[batch.idx_mapping].long()  # of the tokens being sampled
+                sampled = self.sampler(logits, self.sampling.metadata(pending.flags, batch.idx_mapping, positions))
                 self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, sampled)
                 return HostCopy.start(sampled, host, event)
 
@@ -208,34 +234,6 @@ class ModelRunner:
     def close(self) -> None:
         """Finish launched work and stop the device queue."""
         self.queue.close()
-
-    def _sampling_flags(self, idx_cpu: np.ndarray) -> SamplingFlags:
-        s = self.states
-        temperature = s.temperature_cpu[idx_cpu]
-        vocab = self.model.config.vocab_size
-        return SamplingFlags(
-            all_greedy=bool((temperature == 0).all()), all_random=bool((temperature > 0).all()),
-            no_top_k=bool(((s.top_k_cpu[idx_cpu] <= 0) | (s.top_k_cpu[idx_cpu] >= vocab)).all()),
-            no_top_p=bool((s.top_p_cpu[idx_cpu] >= 1.0).all()),
-            no_min_p=bool((s.min_p_cpu[idx_cpu] <= 0.0).all()),
-        )
-
-    def _sampling_metadata(self, batch: StepBatch, flags: SamplingFlags) -> SamplingMetadata:
-        s, idx = self.states, batch.idx_mapping
-        return SamplingMetadata(
-            temperature=s.temperature[idx], top_k=s.top_k[idx], top_p=s.top_p[idx], min_p=s.min_p[idx],
-            seeds=s.seeds[idx], positions=s.num_tokens[idx].long(), **dataclasses.asdict(flags))
-
-
-@dataclass(frozen=True)
-class SamplingFlags:
-    """Host-known facts about a batch's sampling parameters, fixed at launch."""
-
-    all_greedy: bool
-    all_random: bool
-    no_top_k: bool
-    no_top_p: bool
-    no_min_p: bool
 
 
 @dataclass(frozen=True)

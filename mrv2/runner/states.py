@@ -17,15 +17,13 @@ from mrv2.runner.staged_writes import StagedRowWriter, StagedScalarWriter, Stage
 
 
 class RequestStates:
-    """Per-request token history, progress counters and sampling parameters."""
+    """Per-request token history and progress counters (sampling parameters: `mrv2.sample.states`)."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device, pin_memory: bool,
-                 seed: int = 0) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device, pin_memory: bool) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
         self.slot_of: dict[str, int] = {}
-        self._rng = np.random.default_rng(seed)
 
         def zeros(*shape, dtype):
             return torch.zeros(*shape, dtype=dtype, device=device)
@@ -34,51 +32,32 @@ class RequestStates:
         self.token_ids = zeros(max_num_reqs, max_model_len + 1, dtype=torch.int64)
         self.num_tokens = zeros(max_num_reqs, dtype=torch.int32)
         self.num_computed = zeros(max_num_reqs, dtype=torch.int32)
-        self.temperature = zeros(max_num_reqs, dtype=torch.float32)
-        self.top_k = zeros(max_num_reqs, dtype=torch.int32)
-        self.top_p = zeros(max_num_reqs, dtype=torch.float32)
-        self.min_p = zeros(max_num_reqs, dtype=torch.float32)
-        self.seeds = zeros(max_num_reqs, dtype=torch.int64)
 
         self.num_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_cpu = np.zeros(max_num_reqs, dtype=np.int64)
-        self.temperature_cpu = np.zeros(max_num_reqs, dtype=np.float32)
-        self.top_k_cpu = np.zeros(max_num_reqs, dtype=np.int64)
-        self.top_p_cpu = np.ones(max_num_reqs, dtype=np.float32)
-        self.min_p_cpu = np.zeros(max_num_reqs, dtype=np.float32)
 
         self._token_writer = StagedRowWriter(self.token_ids, pin_memory)
         self._scalar_writers = {name: StagedScalarWriter(getattr(self, name), pin_memory)
-                                for name in ("num_tokens", "num_computed", "temperature", "top_k", "top_p",
-                                             "min_p", "seeds")}
+                                for name in ("num_tokens", "num_computed")}
 
     @property
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
     def add(self, req: NewRequestData) -> int:
-        """Give `req` a slot and stage its tokens and parameters."""
+        """Give `req` a slot and stage its tokens and progress."""
         if req.req_id in self.slot_of:
             raise ValueError(f"request {req.req_id!r} is already in the runner")
         if not self._free_slots:
             raise RuntimeError("no free request slot: the scheduler exceeded max_num_seqs")
         slot = self._free_slots.pop()
         self.slot_of[req.req_id] = slot
-        params = req.sampling_params
-        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**62))
-        top_k = params.top_k if params.top_k > 0 else 0
         n = len(req.all_token_ids)
         self._token_writer.stage(slot, 0, req.all_token_ids)
-        for name, value in (("num_tokens", n), ("num_computed", req.num_computed_tokens),
-                            ("temperature", params.temperature), ("top_k", top_k), ("top_p", params.top_p),
-                            ("min_p", params.min_p), ("seeds", seed)):
+        for name, value in (("num_tokens", n), ("num_computed", req.num_computed_tokens)):
             self._scalar_writers[name].stage(slot, value)
         self.num_tokens_cpu[slot] = n
         self.num_computed_cpu[slot] = req.num_computed_tokens
-        self.temperature_cpu[slot] = params.temperature
-        self.top_k_cpu[slot] = top_k
-        self.top_p_cpu[slot] = params.top_p
-        self.min_p_cpu[slot] = params.min_p
         return slot
 
     def remove(self, req_id: str) -> int | None:

@@ -3,26 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
-# Temperatures below this are greedy, as in vLLM: dividing by them would overflow.
-GREEDY_EPS = 1e-5
+from mrv2.sample.min_tokens import MinTokensMetadata
+from mrv2.sampling_params import GREEDY_EPS, is_greedy
 
 
 @dataclass
 class SamplingMetadata:
     """Sampling parameters of one step's batch, one row per sampled token, in batch order.
 
-    temperature float32 [B] (< GREEDY_EPS: greedy), top_k int32 [B] (<= 0 or >= vocab:
+    temperature float32 [B] (`is_greedy`: greedy), top_k int32 [B] (<= 0 or >= vocab:
     disabled), top_p float32 [B] (1: disabled), min_p float32 [B] (0: disabled), seeds
     int64 [B], positions int64 [B] (the position of the token being sampled, i.e. the
     sequence length before it). The bools are known on the host ahead of time and only
     let the sampler skip work, so they may be conservative (False) but never wrong.
     `max_top_k`, when set, bounds the effective top-k of every row that uses top-k or
     top-p (a top-p row without top-k counts as the vocab size); below the vocab size it
-    replaces the full sort with `torch.topk`.
+    replaces the full sort with `torch.topk`. `min_tokens` is None when no row has a
+    minimum to enforce (see `mrv2.sample.min_tokens`).
     """
 
     temperature: torch.Tensor
@@ -37,6 +39,7 @@ class SamplingMetadata:
     no_top_p: bool
     no_min_p: bool
     max_top_k: int | None = None
+    min_tokens: MinTokensMetadata | None = None
 
     @classmethod
     def from_lists(
@@ -55,10 +58,6 @@ class SamplingMetadata:
         top_k = [0] * n if top_k is None else list(top_k)
         top_p = [1.0] * n if top_p is None else list(top_p)
         min_p = [0.0] * n if min_p is None else list(min_p)
-        greedy = [t < GREEDY_EPS for t in temperature]
-        uses_k = [0 < k < vocab_size for k in top_k]
-        uses_p = [p < 1.0 for p in top_p]
-        bounds = [k if uk else vocab_size for k, uk, up in zip(top_k, uses_k, uses_p) if uk or up]
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int32, device=device),
@@ -66,10 +65,36 @@ class SamplingMetadata:
             min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
             seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            no_top_k=not any(uses_k),
-            no_top_p=not any(uses_p),
-            no_min_p=all(m <= 0.0 for m in min_p),
-            max_top_k=max(bounds, default=None),
+            **host_flags(np.asarray(temperature, dtype=np.float32), np.asarray(top_k, dtype=np.int64),
+                         np.asarray(top_p, dtype=np.float32), np.asarray(min_p, dtype=np.float32), vocab_size),
         )
+
+
+@dataclass(frozen=True)
+class SamplingFlags:
+    """A batch's host flags, fixed when its step is launched (see SamplingMetadata)."""
+
+    all_greedy: bool
+    all_random: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+    max_top_k: int | None
+    any_min_tokens: bool = False
+
+
+def host_flags(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+               vocab_size: int) -> dict[str, Any]:
+    """SamplingMetadata's host flags from host copies of the batch's parameters, one entry per row.
+
+    The one place they are derived (`SamplingMetadata.from_lists` and the runner's
+    `SamplingStates.metadata` both call it): all_greedy, all_random, no_top_k, no_top_p,
+    no_min_p and max_top_k.
+    """
+    greedy = is_greedy(temperature)
+    uses_k = (top_k > 0) & (top_k < vocab_size)
+    uses_p = top_p < 1.0
+    bounds = np.where(uses_k, top_k, vocab_size)[uses_k | uses_p]
+    return dict(all_greedy=bool(greedy.all()), all_random=not greedy.any(), no_top_k=not uses_k.any(),
+                no_top_p=not uses_p.any(), no_min_p=bool((min_p <= 0.0).all()),
+                max_top_k=int(bounds.max()) if bounds.size else None)

@@ -1,7 +1,7 @@
 """Logits to token ids: greedy rows take the argmax, the others a filtered Gumbel-max draw.
 
-Filters follow vLLM: temperature first, then min-p, top-k, top-p on the scaled logits,
-each masking with -inf. All ops run on the logits' device without syncing the host.
+Filters follow vLLM: min_tokens first (on the raw logits, in place), then temperature,
+then min-p, top-k, top-p on the scaled logits, each masking with -inf. All ops run on the logits' device without syncing the host.
 """
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 
 from mrv2.sample.gumbel import gumbel_sample
-from mrv2.sample.metadata import GREEDY_EPS, SamplingMetadata
+from mrv2.sample.metadata import SamplingMetadata
+from mrv2.sample.min_tokens import apply_min_tokens
+from mrv2.sampling_params import GREEDY_EPS, is_greedy
 
 _NEG_INF = float("-inf")
 
@@ -80,6 +82,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         md = metadata
+        if md.min_tokens is not None:  # before anything else, greedy rows included
+            apply_min_tokens(logits, md.min_tokens, md.positions)
         if md.all_greedy:
             return logits.argmax(dim=-1)
         # Greedy rows go through the random path too (their draws are discarded), so
@@ -97,4 +101,4 @@ class Sampler:
             sampled = gumbel_sample(scaled, md.seeds, md.positions)
         if md.all_random:
             return sampled
-        return torch.where(md.temperature < GREEDY_EPS, logits.argmax(dim=-1), sampled)
+        return torch.where(is_greedy(md.temperature), logits.argmax(dim=-1), sampled)

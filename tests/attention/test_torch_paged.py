@@ -14,7 +14,7 @@ from mrv2.attention.torch_paged import TorchPagedAttention
 from mrv2.engine.scheduler_output import NewRequestData
 from mrv2.runner.block_table import BlockTables
 from mrv2.runner.input_batch import InputBuffers
-from mrv2.runner.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
+from mrv2.runner.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache, kv_cache_bytes
 from mrv2.runner.states import RequestStates
 from mrv2.sampling_params import SamplingParams
 
@@ -173,23 +173,23 @@ def test_new_kv_written_at_slot_mapping_and_nowhere_else(layout, block_size):
 
 
 @pytest.mark.parametrize("layout", ["joint", "split"])
-def test_never_used_blocks_are_zeroed_before_attention_reads_them(layout):
+def test_never_written_blocks_read_as_zeros(layout):
     """The backend reads whole blocks, so 0 * NaN from never-written memory would leak through SDPA.
 
-    The contract that prevents it: `KVCache.ensure_initialized` zeroes a block the first
-    time the runner hands it to a request, and never again (its later contents are real K/V).
+    The contract that prevents it: the allocation is zeroed once, when it is made, and
+    never per step. Freed NaN bytes of the same size come first, so an allocator that
+    hands back recycled memory uninitialised would show them.
     """
     spec = KVCacheSpec.gqa(2, D, D, torch.float32)
-    cache = allocate_kv_cache([spec, spec], layout, 8, 4, 64, CPU)
-    cache.raw.view(torch.uint8).fill_(0xFF)  # all-ones bytes: NaN in every float
-    cache.ensure_initialized([3, 5, 3])
-    for layer in cache.layers:
-        for view in layer.parts.values():
-            assert (view[[3, 5]] == 0).all()
-            assert torch.isnan(view[[1, 2, 4, 6, 7]]).all()
-    cache.layers[0]["k"][3] = 1.0
-    cache.ensure_initialized([3, 6])
-    assert (cache.layers[0]["k"][3] == 1.0).all() and (cache.layers[1]["v"][6] == 0).all()
+    size = kv_cache_bytes([spec, spec], layout, 8, 4, 64)
+    for _ in range(3):
+        garbage = torch.full((size,), 0xFF, dtype=torch.uint8)  # all-ones bytes: NaN in every float
+        del garbage
+        cache = allocate_kv_cache([spec, spec], layout, 8, 4, 64, CPU)
+        assert (cache.raw == 0).all()
+        for layer in cache.layers:
+            for view in layer.parts.values():
+                assert (view == 0).all()
 
 
 @pytest.mark.parametrize("heads", list(HEADS))

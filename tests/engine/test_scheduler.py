@@ -81,7 +81,7 @@ def make_sched(*, seqs: int = 16, budget: int = 64, chunked: bool = True, blocks
 
 def make_req(rid: str, prompt_len: int, max_tokens: int | None = 4, eos: int | None = EOS, **kw) -> Request:
     return Request(rid, [1 + i % 90 for i in range(prompt_len)], SamplingParams(max_tokens=max_tokens, **kw),
-                   eos_token_id=eos)
+                   eos_token_ids=() if eos is None else (eos,))
 
 
 def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Request]]:
@@ -318,7 +318,7 @@ def test_abort_between_schedule_and_update_ignores_sample():
 # Finish reasons, through Request.check_stop and end to end.
 
 def _check(outputs: list[int], max_len: int = 100, prompt_len: int = 3, **sp) -> Request:
-    r = Request("x", list(range(1, prompt_len + 1)), SamplingParams(**sp), eos_token_id=EOS, max_model_len=max_len)
+    r = Request("x", list(range(1, prompt_len + 1)), SamplingParams(**sp), eos_token_ids=(EOS,), max_model_len=max_len)
     for t in outputs:
         assert not r.is_finished
         r.append_output_token(t)

@@ -103,3 +103,11 @@ def test_mistral_sliding_window_caps_max_model_len(tiny_checkpoint):
     assert llm.engine.config.max_model_len == 128
     with pytest.raises(ValueError, match="sliding_window"):
         LLM(model=str(path), kv_cache_memory=1 << 22, max_model_len=256)
+
+
+def test_one_rotary_for_all_layers_sized_to_max_model_len(tiny_checkpoint):
+    path, _ = tiny_checkpoint("llama", False)
+    llm = LLM(model=str(path), kv_cache_memory=1 << 22, max_model_len=96)
+    rotaries = {id(layer.self_attn.rotary) for layer in llm.engine.runner.model.layers}
+    assert len(rotaries) == 1
+    assert llm.engine.runner.model.layers[0].self_attn.rotary.cos_sin_cache.shape[0] == 96

@@ -83,6 +83,14 @@ def test_greedy_with_forced_preemption(checkpoint, hf_reference):
     assert llm.engine.scheduler.block_pool.is_whole()
 
 
+def test_one_rotary_for_all_layers_sized_to_max_model_len(checkpoint):
+    path, _ = checkpoint
+    llm = LLM(model=str(path), kv_cache_memory=1 << 22, max_model_len=96)
+    rotaries = {id(layer.self_attn.rotary) for layer in llm.engine.runner.model.layers}
+    assert len(rotaries) == 1
+    assert llm.engine.runner.model.layers[0].self_attn.rotary.cos_sin_cache.shape[0] == 96
+
+
 def _step_logits(llm, prompt, steps):
     """Drive the engine by hand; yield (tokens so far, logits) for every step that samples."""
     engine = llm.engine

@@ -1,4 +1,4 @@
-"""GraphManager: capture order, hooks, address checks, two independent managers, workspace release."""
+"""GraphManager: capture order, hooks, address checks, two independent managers, a shared workspace."""
 
 from __future__ import annotations
 
@@ -164,51 +164,50 @@ def test_same_class_serves_model_and_drafter_independently():
         drafter.replay(full(1), None)
 
 
-class WorkspaceAttention:
-    """Needs a large workspace while a graph is recorded, and only a small parameter tensor at replay."""
+class SharedWorkspaceAttention:
+    """Needs a workspace inside the graph: one, sized for the largest descriptor, shared by all graphs."""
 
     def __init__(self):
-        self.workspaces: dict[BatchDescriptor, torch.Tensor] = {}
+        self.workspace: torch.Tensor | None = None
+        self.allocations = 0
         self.params: dict[BatchDescriptor, torch.Tensor] = {}
-        self.workspace_refs: list[weakref.ref] = []
 
     def before_capture(self, desc):
-        ws = torch.empty(1 << 20)
-        self.workspaces[desc] = ws
-        self.workspace_refs.append(weakref.ref(ws))
+        if self.workspace is None:  # the first descriptor is the largest: capture goes largest first
+            self.workspace = torch.zeros(desc.num_tokens)
+            self.allocations += 1
+        assert self.workspace.numel() >= desc.num_tokens
         self.params[desc] = torch.ones(1)
 
     def after_capture(self, desc):
-        del self.workspaces[desc]  # keep only what replay needs
+        pass  # the graph reads and writes the workspace at replay: nothing to drop
 
     def prepare_replay(self, desc, metadata):
         self.params[desc].fill_(metadata)
 
     def attend(self, desc, x):
-        ws = self.workspaces.get(desc)
-        if ws is None:  # eager re-run at replay: a transient workspace, as an eager kernel would use
-            ws = torch.empty(desc.num_tokens)
-        scratch = ws[:desc.num_tokens]
+        scratch = self.workspace[:desc.num_tokens]
         torch.mul(x, self.params[desc], out=scratch)
         return scratch + 0.0
 
 
 @pytest.mark.parametrize("backend", [lambda: RecordingGraphBackend([]), EagerGraphBackend])
-def test_workspaces_are_released_after_capture(backend):
-    attn = WorkspaceAttention()
+def test_shared_workspace_outlives_capture_and_serves_replay(backend):
+    """Memory a graph reads at replay lives as long as the graph: shared, never freed after capture."""
+    attn = SharedWorkspaceAttention()
     x = torch.arange(64, dtype=torch.float32)
     m = GraphManager(backend(), GraphInputs({"x": x}), lambda d: None,
                      WholeForward(lambda d, md: attn.attend(d, x[:d.num_tokens])), [attn])
     descs = [full(n) for n in (1, 2, 4, 8, 16, 32, 64)]
     m.capture(descs)
+    workspace, ptr = weakref.ref(attn.workspace), attn.workspace.data_ptr()
     gc.collect()
-    assert len(attn.workspace_refs) == len(descs)
-    assert all(ref() is None for ref in attn.workspace_refs)
-    params = {d: weakref.ref(t) for d, t in attn.params.items()}
-    gc.collect()
-    assert all(ref() is not None for ref in params.values())
+    assert attn.allocations == 1 and attn.workspace.numel() == 64
+    assert workspace() is attn.workspace and attn.workspace.data_ptr() == ptr
     assert m.replay(full(4), 2.0).tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert attn.workspace[:4].tolist() == [0.0, 2.0, 4.0, 6.0]  # replay ran in the shared workspace
     assert m.replay(full(64), 0.5).tolist() == (x * 0.5).tolist()
+    assert torch.equal(attn.workspace, x * 0.5) and attn.workspace.data_ptr() == ptr
 
 
 def test_capture_failure_names_the_descriptor_and_releases_hooks():

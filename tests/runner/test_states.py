@@ -18,8 +18,8 @@ def new_req(req_id: str, tokens: list[int], computed: int = 0, **params) -> NewR
                           sampling_params=SamplingParams(**params), block_ids=[], num_computed_tokens=computed)
 
 
-def make_states(max_num_reqs: int = 4, max_model_len: int = 16, seed: int = 0) -> RequestStates:
-    return RequestStates(max_num_reqs, max_model_len, CPU, pin_memory=False, seed=seed)
+def make_states(max_num_reqs: int = 4, max_model_len: int = 16) -> RequestStates:
+    return RequestStates(max_num_reqs, max_model_len, CPU, pin_memory=False)
 
 
 def step(states: RequestStates, rows: list[tuple[int, int, int]]) -> None:
@@ -50,12 +50,11 @@ def test_slot_allocation_and_reuse():
     assert s.add(new_req("c", [5, 6, 7])) in (0, 2)
 
 
-def test_add_stages_tokens_and_params():
+def test_add_stages_tokens_and_progress():
     s = make_states(max_num_reqs=4, max_model_len=8)
     s.add(new_req("x", [5, 6, 7]))
-    slot_y = s.add(new_req("y", [9, 8, 7, 6, 5], computed=2, temperature=0.0, top_k=-1, top_p=0.5, min_p=0.1,
-                           seed=1234))
-    slot_z = s.add(new_req("z", [4], temperature=0.7, top_k=20))
+    slot_y = s.add(new_req("y", [9, 8, 7, 6, 5], computed=2))
+    slot_z = s.add(new_req("z", [4]))
     # The host mirror is updated at once; the device only at apply_staged().
     assert s.num_tokens_cpu[slot_y] == 5 and s.num_computed_cpu[slot_y] == 2
     assert s.token_ids.abs().sum() == 0 and s.num_tokens.abs().sum() == 0
@@ -65,27 +64,9 @@ def test_add_stages_tokens_and_params():
     assert s.token_ids[0, :3].tolist() == [5, 6, 7] and s.token_ids[slot_z, :1].tolist() == [4]
     assert s.num_tokens.tolist() == [3, 5, 1, 0]
     assert s.num_computed.tolist() == [0, 2, 0, 0]
-    assert s.temperature[slot_y] == 0.0 and s.temperature[slot_z] == pytest.approx(0.7)
-    assert s.top_k[slot_y] == 0 and s.top_k[slot_z] == 20  # -1 (disabled) is stored as 0
-    assert s.top_p[slot_y] == 0.5 and s.min_p[slot_y] == pytest.approx(0.1)
-    assert s.seeds[slot_y] == 1234
     # The host mirrors agree with the device.
-    for name in ("num_tokens", "num_computed", "temperature", "top_k"):
+    for name in ("num_tokens", "num_computed"):
         np.testing.assert_array_equal(getattr(s, name + "_cpu")[:3], getattr(s, name)[:3].numpy())
-    np.testing.assert_array_equal(s.top_p_cpu[:3], s.top_p[:3].numpy())
-    np.testing.assert_array_equal(s.min_p_cpu[:3], s.min_p[:3].numpy())
-
-
-def test_unseeded_requests_get_distinct_reproducible_seeds():
-    seeds = []
-    for _ in range(2):
-        s = make_states(seed=7)
-        for r in "abc":
-            s.add(new_req(r, [1]))
-        s.apply_staged()
-        seeds.append(s.seeds[:3].tolist())
-    assert seeds[0] == seeds[1]
-    assert len(set(seeds[0])) == 3
 
 
 def test_post_update_prefill_done_partial_and_decode():
@@ -130,7 +111,7 @@ def test_post_update_at_length_limit_uses_spare_column():
 def test_random_steps_device_matches_host_and_naive_model():
     rng = np.random.default_rng(1)
     max_reqs, max_len = 6, 40
-    s = make_states(max_num_reqs=max_reqs, max_model_len=max_len, seed=3)
+    s = make_states(max_num_reqs=max_reqs, max_model_len=max_len)
     live: dict[str, dict] = {}  # naive model: tokens and computed count per request
     next_id = 0
     for _ in range(60):

@@ -30,7 +30,8 @@ logger = logging.getLogger("mrv2")
 
 
 class CaptureHooks(Protocol):
-    """The graph hooks of an attention backend (see `mrv2.attention.backend`)."""
+    """The graph hooks of an attention backend (see `mrv2.attention.backend`): memory a captured
+    graph reads or writes lives as long as the graph; `after_capture` drops only what replay never reads."""
 
     def before_capture(self, descriptor: Any) -> None: ...
 

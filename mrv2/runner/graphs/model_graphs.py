@@ -72,6 +72,35 @@ class ModelGraphs:
         return [desc for _, manager in self._tiers for desc in manager.descriptors]
 
     @property
+    def uses_pool(self) -> bool:
+        """Whether the graphs keep device memory in a pool (device graphs; not the CPU's backends)."""
+        return any(manager.pool is not None for _, manager in self._tiers)
+
+    def pool_bytes(self, activation_bytes: Callable[[int, int], int], attention_bytes: Callable[[int, int, int], int],
+                   hidden_bytes_per_token: int) -> int:
+        """Estimated pool memory once every planned descriptor is captured.
+
+        The largest capture's activations (`activation_bytes(num_tokens, 0)`: logits are
+        computed outside graphs) and, for FULL graphs, its attention transients
+        (`attention_bytes(num_reqs, num_tokens, max_seq_len)`): later captures reuse that
+        memory. Plus each graph's outputs, kept at fixed addresses: the hidden states and
+        residual (`hidden_bytes_per_token` each) of every piece.
+        """
+        peak = outputs = 0
+        for dispatcher, _ in self._tiers:
+            for desc in dispatcher.descriptors:
+                t = desc.num_tokens
+                need = activation_bytes(t, 0)
+                pieces = 1
+                if desc.mode is GraphMode.FULL:
+                    need += attention_bytes(desc.num_reqs, t, desc.max_seq_len)
+                else:
+                    pieces = self.model.num_attention_calls + 1
+                peak = max(peak, need)
+                outputs += pieces * 2 * t * hidden_bytes_per_token
+        return peak + outputs
+
+    @property
     def num_replays(self) -> int:
         return sum(self.replays.values())
 

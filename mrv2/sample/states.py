@@ -1,0 +1,98 @@
+"""Per-request sampling parameters in slots, and the one place the sampler's host flags come from.
+
+A request's parameters live in its slot (the runner's slot, see `runner/states.py`)
+from admission until it finishes; `add_request` stages them and
+`take_staged` packs them for the device (one copy per tensor, applied as device work). The device
+tensors feed the sampler through the step's `idx_mapping`; the numpy mirrors hold
+what the host already knows, so every host flag (greedy, random, which filters run,
+the top-k bound, whether any row has min_tokens) is derived from them without reading
+the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from mrv2.runner.staged_writes import StagedScalarWriter, StagedWrite
+from mrv2.sample.metadata import SamplingFlags, SamplingMetadata, host_flags
+from mrv2.sample.min_tokens import MinTokensState
+from mrv2.sampling_params import SamplingParams
+
+_PARAMS = ("temperature", "top_k", "top_p", "min_p", "seeds")
+
+
+class SamplingStates:
+    """Temperature, top-k, top-p, min-p, seed and min_tokens state of every slot, device and host mirror."""
+
+    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device, pin_memory: bool,
+                 seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self._rng = np.random.default_rng(seed)  # seeds of unseeded requests: reproducible per engine seed
+
+        def full(value: float, dtype: torch.dtype) -> torch.Tensor:
+            return torch.full((max_num_reqs,), value, dtype=dtype, device=device)
+
+        # Free slots hold the disabled values, on the device as in the mirrors.
+        self.temperature = full(0.0, torch.float32)
+        self.top_k = full(0, torch.int32)  # 0: disabled
+        self.top_p = full(1.0, torch.float32)
+        self.min_p = full(0.0, torch.float32)
+        self.seeds = full(0, torch.int64)
+
+        self.temperature_cpu = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_k_cpu = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p_cpu = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p_cpu = np.zeros(max_num_reqs, dtype=np.float32)
+
+        self._writers = {name: StagedScalarWriter(getattr(self, name), pin_memory) for name in _PARAMS}
+        self.min_tokens = MinTokensState(max_num_reqs, device, pin_memory)
+
+    def add_request(self, slot: int, params: SamplingParams, prompt_len: int = 0,
+                    eos_token_ids: Sequence[int] = ()) -> None:
+        """Stage `params` into `slot` (the host mirrors change at once, the device at apply_staged_writes).
+
+        `prompt_len` (the original prompt, without tokens generated before a preemption)
+        and `eos_token_ids` serve min_tokens: output count origin and ids to mask.
+        """
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**62))
+        top_k = params.top_k if params.top_k > 0 else 0
+        values = (params.temperature, top_k, params.top_p, params.min_p, seed)
+        for name, value in zip(_PARAMS, values):
+            self._writers[name].stage(slot, value)
+        self.temperature_cpu[slot] = params.temperature
+        self.top_k_cpu[slot] = top_k
+        self.top_p_cpu[slot] = params.top_p
+        self.min_p_cpu[slot] = params.min_p
+        self.min_tokens.add_request(slot, params.min_tokens, prompt_len,
+                                    list(eos_token_ids) + list(params.stop_token_ids))
+
+    def take_staged(self) -> list[StagedWrite]:
+        """Pack the staged parameters (host work); applying them is device work."""
+        writes = [w.take() for w in self._writers.values()] + self.min_tokens.take_staged()
+        return [w for w in writes if w is not None]
+
+    def apply_staged_writes(self) -> None:
+        for write in self.take_staged():
+            write.apply()
+
+    def host_flags(self, idx_cpu: np.ndarray) -> SamplingFlags:
+        """Host work at launch: what the sampler may skip for the requests in batch order `idx_cpu`."""
+        return SamplingFlags(**host_flags(self.temperature_cpu[idx_cpu], self.top_k_cpu[idx_cpu],
+                                          self.top_p_cpu[idx_cpu], self.min_p_cpu[idx_cpu], self.vocab_size),
+                             any_min_tokens=self.min_tokens.any_active(idx_cpu))
+
+    def metadata(self, flags: SamplingFlags, idx_mapping: torch.Tensor, positions: torch.Tensor) -> SamplingMetadata:
+        """Device work: the batch's rows gathered through `idx_mapping`, with the flags of its launch.
+
+        `positions` (int64, one per row) is the position of the token being sampled.
+        """
+        return SamplingMetadata(
+            temperature=self.temperature[idx_mapping], top_k=self.top_k[idx_mapping], top_p=self.top_p[idx_mapping],
+            min_p=self.min_p[idx_mapping], seeds=self.seeds[idx_mapping], positions=positions,
+            all_greedy=flags.all_greedy, all_random=flags.all_random, no_top_k=flags.no_top_k,
+            no_top_p=flags.no_top_p, no_min_p=flags.no_min_p, max_top_k=flags.max_top_k,
+            min_tokens=self.min_tokens.metadata(idx_mapping) if flags.any_min_tokens else None,
+        )
