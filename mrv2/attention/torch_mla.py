@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mrv2.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata, _Group
-from mrv2.runner.kv_cache import LayerKVCache
+from mrv2.kv_spec import LayerKVCache
 
 
 def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

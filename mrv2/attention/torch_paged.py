@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from mrv2.attention.backend import AttentionBackend, CommonAttentionMetadata
-from mrv2.runner.kv_cache import LayerKVCache
+from mrv2.kv_spec import LayerKVCache
 
 
 @dataclass

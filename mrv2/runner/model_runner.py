@@ -18,12 +18,13 @@ import torch
 from mrv2.attention import get_attention_backend
 from mrv2.config import EngineConfig, GraphMode
 from mrv2.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from mrv2.kv_spec import KVCacheSpec
 from mrv2.models.registry import attention_kind, build_model
 from mrv2.platforms import Platform
 from mrv2.runner.block_table import BlockTables
 from mrv2.runner.graphs.model_graphs import ModelGraphs
 from mrv2.runner.input_batch import InputBuffers, StepBatch
-from mrv2.runner.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
+from mrv2.runner.kv_cache import KVCache, allocate_kv_cache
 from mrv2.runner.states import RequestStates
 from mrv2.runner.timing import StepTiming
 from mrv2.sample.metadata import SamplingMetadata
