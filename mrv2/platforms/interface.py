@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -23,6 +25,9 @@ class Platform(ABC):
     measures_peak_memory: bool = True
     # Vocabulary rows per LM-head GEMM (None: one GEMM).
     logits_chunk_rows: int | None = None
+    # Attention backend names (see `mrv2.attention.registry`) per attention kind, preferred first.
+    # The portable torch backends run everywhere; a device lists its own kernels before them.
+    attention_backends: Mapping[str, tuple[str, ...]] = MappingProxyType({"gqa": ("torch",), "mla": ("torch-mla",)})
 
     @property
     def device(self) -> torch.device:
@@ -67,6 +72,12 @@ class Platform(ABC):
 
     def configure_threads(self) -> None:
         """Set host threading for this device type."""
+
+    def attention_backend_names(self, kind: str) -> tuple[str, ...]:
+        """Registered backend names for attention `kind`, preferred first (the registry takes the first available)."""
+        if kind not in self.attention_backends:
+            raise ValueError(f"attention kind must be one of {sorted(self.attention_backends)}, got {kind!r}")
+        return self.attention_backends[kind]
 
     def graph_backend(self, config: GraphConfig) -> GraphBackend:
         """How this device records and replays forwards for `config` (eager re-runs where it has no graphs)."""

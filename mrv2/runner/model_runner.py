@@ -54,7 +54,7 @@ class ModelRunner:
         self.max_num_tokens = config.scheduler.max_num_batched_tokens
         pin = platform.pin_memory()
 
-        self.attn_backend = get_attention_backend(attention_kind(hf_config))
+        self.attn_backend = get_attention_backend(platform, attention_kind(hf_config))
         with torch.device(self.device):
             self.model = build_model(hf_config, self.attn_backend, dtype)
         self.model.load_weights(weights)
