@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from mrv2 import LLM, SamplingParams
-    from mrv2.entrypoints.cli import engine_kwargs
+    from mrv2.engine.arg_utils import engine_kwargs
 
     llm = LLM(**engine_kwargs(args))
     engine = llm.engine
