@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mrv2.config import GiB, EngineConfig
+from mrv2.config import EngineConfig
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.engine.request import Request
 from mrv2.engine.scheduler import Scheduler
@@ -20,10 +20,6 @@ from mrv2.platforms import get_platform
 from mrv2.sampling_params import SamplingParams
 
 logger = logging.getLogger("mrv2")
-
-# Host RAM is shared with everything else on the machine: unless told otherwise,
-# the CPU cache takes at most this much (vLLM's CPU default is 4 GiB as well).
-_CPU_DEFAULT_KV_CAP = 4 * GiB
 
 
 class LLMEngine:
@@ -87,8 +83,8 @@ class LLMEngine:
         else:
             activation_bytes = self.runner.activation_bytes()
             budget = int(self.platform.free_memory() * cfg.cache.memory_fraction) - activation_bytes
-            if self.platform.name == "cpu":
-                budget = min(budget, _CPU_DEFAULT_KV_CAP)
+            if self.platform.kv_cache_cap_bytes is not None:
+                budget = min(budget, self.platform.kv_cache_cap_bytes)
         num_blocks = num_blocks_for_budget(specs, cfg.cache.layout, cfg.cache.block_size, alignment, budget)
         # More blocks than every slot at full length can use would sit idle.
         useful = cfg.scheduler.max_num_seqs * -(-cfg.max_model_len // cfg.cache.block_size) + 1

@@ -25,6 +25,10 @@ class Platform(ABC):
     measures_peak_memory: bool = True
     # Vocabulary rows per LM-head GEMM (None: one GEMM).
     logits_chunk_rows: int | None = None
+    # Logits elements per chunk of rows in Gumbel sampling (None: all rows at once).
+    sampling_chunk_elems: int | None = None
+    # Upper bound on the KV cache's size when the user gives none (None: free memory decides).
+    kv_cache_cap_bytes: int | None = None
     # Attention backend names (see `mrv2.attention.registry`) per attention kind, preferred first.
     # The portable torch backends run everywhere; a device lists its own kernels before them.
     attention_backends: Mapping[str, tuple[str, ...]] = MappingProxyType({"gqa": ("torch",), "mla": ("torch-mla",)})

@@ -64,7 +64,7 @@ class ModelRunner:
         self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device, pin, config.model.seed)
         self.block_tables = BlockTables(self.max_num_reqs, max_blocks, self.block_size, self.device, pin)
         self.inputs = InputBuffers(self.max_num_reqs, self.max_num_tokens, max_blocks, self.device, pin)
-        self.sampler = Sampler()
+        self.sampler = Sampler(platform.sampling_chunk_elems)
         self.graphs: ModelGraphs | None = None
         graph_config = config.graph or platform.default_graph_config()
         if not config.enforce_eager and graph_config.mode is not GraphMode.NONE:

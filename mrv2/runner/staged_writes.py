@@ -68,8 +68,6 @@ class StagedScalarWriter:
 
 def _to_device(array: np.ndarray, device: torch.device, pin_memory: bool) -> torch.Tensor:
     tensor = torch.from_numpy(array)
-    if device.type == "cpu":
-        return tensor
     if pin_memory:
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
