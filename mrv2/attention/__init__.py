@@ -1,16 +1,7 @@
-"""Attention backends: metadata builders, KV layout preferences, graph-capture hooks."""
+"""Attention backends: metadata builders, KV shapes, graph-capture hooks, and the registry the platform chooses from."""
 
 from mrv2.attention.backend import AttentionBackend, CommonAttentionMetadata
+from mrv2.attention.registry import get_attention_backend, register_backend, registered_backends
 
-__all__ = ["AttentionBackend", "CommonAttentionMetadata", "get_attention_backend"]
-
-
-def get_attention_backend(kind: str = "gqa") -> AttentionBackend:
-    """The portable torch backend for an attention kind: "gqa" (incl. MHA/MQA) or "mla"."""
-    from mrv2.attention.torch_mla import TorchMLAAttention
-    from mrv2.attention.torch_paged import TorchPagedAttention
-
-    backends = {"gqa": TorchPagedAttention, "mla": TorchMLAAttention}
-    if kind not in backends:
-        raise ValueError(f"attention kind must be one of {sorted(backends)}, got {kind!r}")
-    return backends[kind]()
+__all__ = ["AttentionBackend", "CommonAttentionMetadata", "get_attention_backend", "register_backend",
+           "registered_backends"]

@@ -2,9 +2,10 @@
 
 The runner builds one `CommonAttentionMetadata` per step from its persistent
 input buffers; each backend turns it into its own metadata once per step
-(`build_metadata`) and then runs every layer with it (`forward`). Graph capture
-talks to backends only through the three hooks at the bottom; nothing wraps or
-patches a device's graph API.
+(`build_metadata`) and then runs every layer with it (`forward`). A backend
+declares the KV-cache views it reads (shape and stride order per part). Graph
+capture talks to backends only through the three hooks at the bottom; nothing
+wraps or patches a device's graph API.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from mrv2.config import KVLayout
-from mrv2.runner.kv_cache import KVCacheSpec
+from mrv2.kv_spec import KVCacheSpec
 
 
 @dataclass
@@ -57,6 +58,27 @@ class AttentionBackend(ABC):
     name: str
     kind: str = "gqa"  # "gqa" or "mla": which forward the backend implements
     supported_layouts: tuple[KVLayout, ...] = ("joint", "split")
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether the backend can run here (e.g. its kernels import); the registry skips it if not."""
+        return True
+
+    # -- KV-cache layout (what the allocator in `mrv2.runner.kv_cache` cuts for this backend) --
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """Logical shape of one part's view (K, V, MLA latent or rope key), in either layout."""
+        return (num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(layout: KVLayout) -> tuple[int, ...]:
+        """The view's dims from outermost to innermost in memory.
+
+        Block-major in both layouts: "split" gives each part a contiguous tensor, "joint"
+        interleaves a layer's parts per token (a part's view skips the others' columns).
+        """
+        return (0, 1, 2, 3)
 
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:

@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mrv2.attention.registry import register_backend
 from mrv2.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata, _Group
-from mrv2.runner.kv_cache import LayerKVCache
+from mrv2.kv_spec import LayerKVCache
 
 
 def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -32,6 +33,7 @@ def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> t
     return torch.softmax(scores.mul_(scale).masked_fill_(~mask, float("-inf")), dim=-1)
 
 
+@register_backend
 class TorchMLAAttention(TorchPagedAttention):
     """Reference MLA backend; runs wherever torch runs."""
 

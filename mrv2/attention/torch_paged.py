@@ -1,4 +1,4 @@
-"""Paged attention in plain torch ops: the portable reference backend (CPU default).
+"""Paged attention in plain torch ops: the portable reference backend (every platform's "gqa" default).
 
 Per step, requests form two groups, each served by one SDPA call per layer:
 - decodes (query length 1), keys padded to the longest decode context;
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from mrv2.attention.backend import AttentionBackend, CommonAttentionMetadata
-from mrv2.runner.kv_cache import KVCacheSpec, LayerKVCache
+from mrv2.attention.registry import register_backend
+from mrv2.kv_spec import KVCacheSpec, LayerKVCache
 
 
 @dataclass
@@ -49,6 +50,7 @@ def _blocks(block_table: torch.Tensor, max_len: int, block_size: int) -> tuple[t
     return block_table[:, :nb].reshape(-1).long(), nb * block_size
 
 
+@register_backend
 class TorchPagedAttention(AttentionBackend):
     """Reference paged attention; runs wherever torch runs."""
 

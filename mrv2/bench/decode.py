@@ -70,7 +70,7 @@ def decode_step_ms(llm, batch: int, context: int, steps: int) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from mrv2 import LLM
-    from mrv2.entrypoints.cli import engine_kwargs
+    from mrv2.engine.arg_utils import engine_kwargs
 
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     modes = [m for m in args.modes.split(",") if m]

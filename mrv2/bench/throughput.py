@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from mrv2 import LLM, SamplingParams
-    from mrv2.entrypoints.cli import engine_kwargs
+    from mrv2.engine.arg_utils import engine_kwargs
 
     sizes = _batch_sizes(args)
     kwargs = engine_kwargs(args)

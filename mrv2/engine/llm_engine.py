@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mrv2.config import GiB, EngineConfig
+from mrv2.config import EngineConfig
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.engine.request import Request
 from mrv2.engine.scheduler import Scheduler
@@ -23,10 +23,6 @@ from mrv2.platforms import get_platform
 from mrv2.sampling_params import SamplingParams
 
 logger = logging.getLogger("mrv2")
-
-# Host RAM is shared with everything else on the machine: unless told otherwise,
-# the CPU cache takes at most this much (vLLM's CPU default is 4 GiB as well).
-_CPU_DEFAULT_KV_CAP = 4 * GiB
 
 
 class LLMEngine:
@@ -96,8 +92,8 @@ class LLMEngine:
             # The largest step (attention transients included) and the graphs captured after allocation.
             reserved = self.runner.activation_bytes() + self.runner.graph_pool_bytes()
             budget = int(self.platform.free_memory() * cfg.cache.memory_fraction) - reserved
-            if self.platform.name == "cpu":
-                budget = min(budget, _CPU_DEFAULT_KV_CAP)
+            if self.platform.kv_cache_cap_bytes is not None:
+                budget = min(budget, self.platform.kv_cache_cap_bytes)
         num_blocks = num_blocks_for_budget(specs, cfg.cache.layout, cfg.cache.block_size, alignment, budget)
         # More blocks than every slot at full length can use would sit idle.
         useful = cfg.scheduler.max_num_seqs * -(-cfg.max_model_len // cfg.cache.block_size) + 1

@@ -8,45 +8,7 @@ import logging
 import sys
 from typing import Any
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
-    g.add_argument("--device", default=None, help="cpu, cuda or npu (default: best available)")
-    g.add_argument("--enforce-eager", action="store_true", help="no graph capture")
-    g.add_argument("--graph-mode", choices=["none", "piecewise", "full", "full_and_piecewise"], default=None,
-                   help="full: whole decode steps; piecewise: layers between attention calls, any step; "
-                        "full_and_piecewise: full where it fits, else piecewise "
-                        "(default: the platform's, full on CUDA/NPU, none on CPU)")
-    g.add_argument("--graph-capture-sizes", default=None,
-                   help="comma-separated sizes to capture (requests for full, tokens for piecewise)")
-    g.add_argument("--graph-compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile piecewise pieces on the CPU (default: on)")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="overlap scheduling of the next step with the current one (default: the platform's)")
-    g.add_argument("--seed", type=int, default=0)
-
-
-def _sizes(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(s) for s in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--graph-capture-sizes must be comma-separated integers, got {text!r}") from None
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                kv_cache_memory=args.kv_cache_memory, device=args.device, enforce_eager=args.enforce_eager,
-                graph_mode=args.graph_mode, graph_capture_sizes=_sizes(args.graph_capture_sizes),
-                graph_compile=args.graph_compile, async_scheduling=args.async_scheduling, seed=args.seed)
+from mrv2.engine.arg_utils import add_engine_args, engine_kwargs
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

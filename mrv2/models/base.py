@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.kv_spec import KVCacheSpec
 from mrv2.layers.norm import RMSNorm
 from mrv2.models.weights import load_hf_weights
-from mrv2.runner.kv_cache import KVCacheSpec
 
 
 class SplitAttention(Protocol):

@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from mrv2.attention.backend import AttentionBackend
+from mrv2.kv_spec import KVCacheSpec, LayerKVCache
 from mrv2.layers.linear import Linear
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.rotary import RopeConfig, RotaryEmbedding
 from mrv2.models.base import CausalLM, PreNormBlock
-from mrv2.runner.kv_cache import KVCacheSpec, LayerKVCache
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 from mrv2.attention.torch_mla import TorchMLAAttention
+from mrv2.kv_spec import KVCacheSpec, KVPart, LayerKVCache
 from mrv2.layers.linear import Linear
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.moe import FusedMoE, MoEConfig
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.rotary import RopeConfig, RotaryEmbedding, hf_rotary_style, yarn_softmax_scale
 from mrv2.models.base import CausalLM, PreNormBlock
-from mrv2.runner.kv_cache import KVCacheSpec, KVPart, LayerKVCache
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from typing import Any
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -27,6 +29,13 @@ class Platform(ABC):
     logits_chunk_rows: int | None = None
     # Async scheduling when the user does not choose (on where `mrv2 bench throughput` measures it no slower).
     default_async_scheduling: bool = True
+    # Logits elements per chunk of rows in Gumbel sampling (None: all rows at once).
+    sampling_chunk_elems: int | None = None
+    # Upper bound on the KV cache's size when the user gives none (None: free memory decides).
+    kv_cache_cap_bytes: int | None = None
+    # Attention backend names (see `mrv2.attention.registry`) per attention kind, preferred first.
+    # The portable torch backends run everywhere; a device lists its own kernels before them.
+    attention_backends: Mapping[str, tuple[str, ...]] = MappingProxyType({"gqa": ("torch",), "mla": ("torch-mla",)})
 
     @property
     def device(self) -> torch.device:
@@ -79,6 +88,11 @@ class Platform(ABC):
     def new_event(self) -> Any | None:
         """An event to record behind a non-blocking device-to-host copy; None where copies are synchronous."""
         return None
+    def attention_backend_names(self, kind: str) -> tuple[str, ...]:
+        """Registered backend names for attention `kind`, preferred first (the registry takes the first available)."""
+        if kind not in self.attention_backends:
+            raise ValueError(f"attention kind must be one of {sorted(self.attention_backends)}, got {kind!r}")
+        return self.attention_backends[kind]
 
     def graph_backend(self, config: GraphConfig) -> GraphBackend:
         """How this device records and replays forwards for `config` (eager re-runs where it has no graphs)."""

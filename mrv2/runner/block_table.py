@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mrv2.runner.staged_writes import StagedRowWriter, StagedWrite
+from mrv2.staged_writes import StagedRowWriter, StagedWrite
 
 
 class BlockTables:

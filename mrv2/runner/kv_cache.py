@@ -1,6 +1,6 @@
-"""KV-cache spec, layout policy and allocation (seed gap 2, solved by design).
+"""KV-cache layout policy and allocation (seed gap 2, solved by design).
 
-Each attention layer declares a `KVCacheSpec`: the parts it stores per token
+Each attention layer declares a `KVCacheSpec` (`mrv2.kv_spec`): the parts it stores per token
 (GQA: K and V; MLA: latent and rope key), each `num_heads x head_dim`. The
 allocator cuts every layer's tensors as views from ONE raw byte allocation:
 
@@ -21,50 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from mrv2.config import KVLayout
-
-
-@dataclass(frozen=True)
-class KVPart:
-    """One per-token component of a layer's cache, e.g. K or V."""
-
-    name: str
-    num_heads: int
-    head_dim: int
-
-    @property
-    def width(self) -> int:
-        return self.num_heads * self.head_dim
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """What one attention layer stores per token."""
-
-    parts: tuple[KVPart, ...]
-    dtype: torch.dtype
-
-    @staticmethod
-    def gqa(num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: torch.dtype) -> "KVCacheSpec":
-        return KVCacheSpec((KVPart("k", num_kv_heads, head_dim), KVPart("v", num_kv_heads, v_head_dim)), dtype)
-
-    @property
-    def bytes_per_token(self) -> int:
-        return sum(p.width for p in self.parts) * self.dtype.itemsize
-
-
-@dataclass
-class LayerKVCache:
-    """One layer's cache views, keyed by part name; each is [num_blocks, block_size, heads, dim].
-
-    With the joint layout, `joint` is the whole [num_blocks, block_size, width] tensor the
-    parts are column slices of: gathering from it is contiguous, gathering a part is not.
-    """
-
-    parts: dict[str, torch.Tensor]
-    joint: torch.Tensor | None = None
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.parts[name]
+from mrv2.kv_spec import KVCacheSpec, LayerKVCache
 
 
 @dataclass
@@ -128,8 +85,7 @@ def allocate_kv_cache(specs: list[KVCacheSpec], layout: KVLayout, num_blocks: in
             chunks.append(raw[offset:offset + n].view(spec.dtype))
             offset += _align(n, alignment)
         if layout == "joint":
-            total_width = sum(p.width for p in spec.parts)
-            joint = chunks[0].view(num_blocks, block_size, total_width)
+            joint = chunks[0].view(num_blocks, block_size, spec.width)
             views, col = {}, 0
             for p in spec.parts:
                 views[p.name] = joint[:, :, col:col + p.width].unflatten(-1, (p.num_heads, p.head_dim))

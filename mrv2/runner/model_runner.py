@@ -19,6 +19,7 @@ import torch
 from mrv2.attention import get_attention_backend
 from mrv2.config import EngineConfig, GraphMode
 from mrv2.engine.scheduler_output import SchedulerOutput
+from mrv2.kv_spec import KVCacheSpec
 from mrv2.models.registry import attention_kind, build_model
 from mrv2.platforms import Platform
 from mrv2.platforms.device_queue import HostCopy, Pending
@@ -27,8 +28,8 @@ from mrv2.runner.block_table import BlockTables
 from mrv2.runner.graphs.descriptor import BatchDescriptor
 from mrv2.runner.graphs.model_graphs import ModelGraphs
 from mrv2.runner.input_batch import InputBuffers, StepBatch, StepPlan
-from mrv2.runner.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
-from mrv2.runner.staged_writes import StagedWrite
+from mrv2.runner.kv_cache import KVCache, allocate_kv_cache
+from mrv2.staged_writes import StagedWrite
 from mrv2.runner.states import RequestStates
 from mrv2.runner.timing import StepTiming
 from mrv2.sample.metadata import SamplingFlags
@@ -54,7 +55,7 @@ class ModelRunner:
         self.max_num_tokens = config.scheduler.max_num_batched_tokens
         pin = platform.pin_memory()
 
-        self.attn_backend = get_attention_backend(attention_kind(hf_config))
+        self.attn_backend = get_attention_backend(platform, attention_kind(hf_config))
         with torch.device(self.device):
             self.model = build_model(hf_config, self.attn_backend, dtype, self.max_model_len)
         self.model.load_weights(weights)
@@ -66,7 +67,7 @@ class ModelRunner:
                                        config.model.seed)
         self.block_tables = BlockTables(self.max_num_reqs, max_blocks, self.block_size, self.device, pin)
         self.inputs = InputBuffers(self.max_num_reqs, self.max_num_tokens, max_blocks, self.device, pin)
-        self.sampler = Sampler()
+        self.sampler = Sampler(platform.sampling_chunk_elems)
         self.graphs: ModelGraphs | None = None
         graph_config = config.graph or platform.default_graph_config()
         if not config.enforce_eager and graph_config.mode is not GraphMode.NONE:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from mrv2.engine.scheduler_output import NewRequestData
-from mrv2.runner.staged_writes import StagedRowWriter, StagedScalarWriter, StagedWrite
+from mrv2.staged_writes import StagedRowWriter, StagedScalarWriter, StagedWrite
 
 
 class RequestStates:

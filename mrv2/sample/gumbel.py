@@ -24,9 +24,6 @@ _GOLDEN32 = 0x9E3779B1 - (1 << 32)
 # The scale (just under 2**-24) is exact in float32 and keeps the largest u below 1.
 _U_SCALE = 2.0**-24 - 2.0**-48
 
-# Elements per chunk of rows on CPU (the fastest measured at V = 49152 on 2 cores).
-_CPU_CHUNK_ELEMS = 1 << 19
-
 
 def _shr64(x: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 (torch's >> is arithmetic)."""
@@ -108,18 +105,20 @@ def gumbel_sample(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     temperature: torch.Tensor | None = None,
+    chunk_elems: int | None = None,
 ) -> torch.Tensor:
     """argmax(logits / temperature + gumbel) per row, as int64 [B].
 
     -inf logits never win. `temperature` (float32 [B], > 0) is optional so that callers
-    who have already scaled the logits skip a pass.
+    who have already scaled the logits skip a pass. `chunk_elems` (the platform's
+    `sampling_chunk_elems`) runs chunks of rows of about that many elements, which keeps
+    the ~15 elementwise passes in cache and reuses one set of buffers; None runs all
+    rows at once (one launch per op). The draws are the same either way.
     """
     num_rows, vocab_size = logits.shape
     keys = row_keys(seeds, positions)
     vhash = _vocab_hash(vocab_size, logits.device)
-    # On CPU, chunks of rows keep the ~15 elementwise passes in cache and reuse one set
-    # of buffers; accelerators prefer one launch per op.
-    step = max(1, _CPU_CHUNK_ELEMS // vocab_size) if logits.is_cpu else max(num_rows, 1)
+    step = max(1, chunk_elems // vocab_size) if chunk_elems else max(num_rows, 1)
     scratch = _Scratch(min(step, num_rows), vocab_size, logits.device)
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     for start in range(0, num_rows, step):

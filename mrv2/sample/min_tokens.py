@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mrv2.runner.staged_writes import StagedScalarWriter
+from mrv2.staged_writes import StagedScalarWriter
 
 
 @dataclass(frozen=True)

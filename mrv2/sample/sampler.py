@@ -77,8 +77,12 @@ class Sampler:
     """Samples one token per row of a [B, V] float32 logits tensor; returns int64 [B].
 
     A random row's draw depends only on its logits, parameters, seed and position, so
-    seeded requests reproduce whatever else is in the batch.
+    seeded requests reproduce whatever else is in the batch. `chunk_elems` is passed to
+    `gumbel_sample` (the platform's `sampling_chunk_elems`).
     """
+
+    def __init__(self, chunk_elems: int | None = None) -> None:
+        self.chunk_elems = chunk_elems
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         md = metadata
@@ -90,7 +94,7 @@ class Sampler:
         # clamp their temperature to keep the division finite.
         temperature = md.temperature.clamp(min=GREEDY_EPS)
         if md.no_min_p and md.no_top_k and md.no_top_p:
-            sampled = gumbel_sample(logits, md.seeds, md.positions, temperature)
+            sampled = gumbel_sample(logits, md.seeds, md.positions, temperature, self.chunk_elems)
         else:
             scaled = logits / temperature[:, None]
             if not md.no_min_p:
@@ -98,7 +102,7 @@ class Sampler:
             if not (md.no_top_k and md.no_top_p):
                 top_p = None if md.no_top_p else md.top_p
                 apply_top_k_top_p(scaled, md.top_k, top_p, md.max_top_k)
-            sampled = gumbel_sample(scaled, md.seeds, md.positions)
+            sampled = gumbel_sample(scaled, md.seeds, md.positions, chunk_elems=self.chunk_elems)
         if md.all_random:
             return sampled
         return torch.where(is_greedy(md.temperature), logits.argmax(dim=-1), sampled)

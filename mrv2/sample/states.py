@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from mrv2.runner.staged_writes import StagedScalarWriter, StagedWrite
+from mrv2.staged_writes import StagedScalarWriter, StagedWrite
 from mrv2.sample.metadata import SamplingFlags, SamplingMetadata, host_flags
 from mrv2.sample.min_tokens import MinTokensState
 from mrv2.sampling_params import SamplingParams

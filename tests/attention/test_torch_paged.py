@@ -12,9 +12,10 @@ import torch
 from mrv2.attention.backend import CommonAttentionMetadata
 from mrv2.attention.torch_paged import TorchPagedAttention
 from mrv2.engine.scheduler_output import NewRequestData
+from mrv2.kv_spec import KVCacheSpec, LayerKVCache
 from mrv2.runner.block_table import BlockTables
 from mrv2.runner.input_batch import InputBuffers
-from mrv2.runner.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache, kv_cache_bytes
+from mrv2.runner.kv_cache import allocate_kv_cache, kv_cache_bytes
 from mrv2.runner.states import RequestStates
 from mrv2.sampling_params import SamplingParams
 

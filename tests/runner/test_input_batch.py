@@ -202,8 +202,9 @@ def test_slot_reuse_with_stale_block_table_row():
 def test_padding_to_a_captured_size(padded_reqs):
     """Padded steps: real rows unchanged, padded tokens write only the null block, shapes static."""
     from mrv2.attention.torch_paged import TorchPagedAttention
+    from mrv2.kv_spec import KVCacheSpec
     from mrv2.runner.input_batch import StepPadding
-    from mrv2.runner.kv_cache import KVCacheSpec, allocate_kv_cache
+    from mrv2.runner.kv_cache import allocate_kv_cache
 
     w = World(block_size=4, seed=11)
     for i, (n, blocks) in enumerate([(9, 3), (5, 2), (13, 4)]):

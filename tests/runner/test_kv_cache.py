@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from mrv2.config import KV_TRANSFER_ALIGNMENT, CacheConfig
-from mrv2.runner.kv_cache import KVCacheSpec, KVPart, allocate_kv_cache, kv_cache_bytes, num_blocks_for_budget
+from mrv2.kv_spec import KVCacheSpec, KVPart
+from mrv2.runner.kv_cache import allocate_kv_cache, kv_cache_bytes, num_blocks_for_budget
 
 GQA = KVCacheSpec.gqa(num_kv_heads=3, head_dim=64, v_head_dim=64, dtype=torch.float32)
 # Unequal parts, as in MLA (latent + rope key): split is by byte ratio, not in halves.

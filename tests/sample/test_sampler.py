@@ -227,3 +227,13 @@ def test_host_flags_only_skip_work() -> None:
     md = _md(5, 700, temperature=[0.0, 1.0, 0.5, 1.0, 2.0], seed=[3, 4, 5, 6, 7], top_k=[0, 0, 30, 0, 0])
     conservative = replace(md, no_top_p=False, no_min_p=False, max_top_k=None)
     assert torch.equal(sampler(logits, md), sampler(logits, conservative))
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 20, "min_p": 0.01}])
+def test_chunked_sampling_draws_the_same_tokens(filters) -> None:
+    # The platform's sampling_chunk_elems only changes how rows are batched through the noise.
+    logits = _logits(9, 300, seed=4)
+    md = _md(9, 300, temperature=[0.0, 0.7, 1.3] * 3, seed=list(range(9)), **filters)
+    expected = sampler(logits.clone(), md)
+    for chunk in (1, 700, 1 << 20):
+        assert torch.equal(Sampler(chunk_elems=chunk)(logits.clone(), md), expected)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.runner.staged_writes import StagedRowWriter, StagedScalarWriter
+from mrv2.staged_writes import StagedRowWriter, StagedScalarWriter
 
 
 def _random_ragged_writes(rng: np.random.Generator, rows: int, width: int, n: int):

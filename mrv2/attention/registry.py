@@ -1,0 +1,47 @@
+"""Attention backends by name, and the platform's choice per attention kind.
+
+Backends register themselves (`@register_backend`) under their `name`; a platform
+lists, per attention kind ("gqa", "mla"), the backend names it prefers
+(`Platform.attention_backend_names`), and `get_attention_backend` returns the first
+registered one that is available. The runner asks here; it never names a backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from mrv2.attention.backend import AttentionBackend
+from mrv2.platforms import Platform
+
+# Modules whose import registers the built-in backends.
+_BUILTIN_MODULES = ("mrv2.attention.torch_paged", "mrv2.attention.torch_mla")
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Class decorator: make `cls` selectable by its `name`."""
+    other = _BACKENDS.get(cls.name)
+    if other is not None and other is not cls:
+        raise ValueError(f"attention backend name {cls.name!r} is taken by {other.__qualname__}")
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def registered_backends() -> dict[str, type[AttentionBackend]]:
+    """Every registered backend class by name (built-ins included)."""
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+    return dict(_BACKENDS)
+
+
+def get_attention_backend(platform: Platform, kind: str) -> AttentionBackend:
+    """A new instance of the backend `platform` prefers for attention `kind`."""
+    names = platform.attention_backend_names(kind)  # raises for a kind the platform does not know
+    backends = registered_backends()
+    for name in names:
+        cls = backends.get(name)
+        if cls is not None and cls.kind == kind and cls.is_available():
+            return cls()
+    raise ValueError(f"no available {kind!r} attention backend on platform {platform.name!r}: it prefers "
+                     f"{list(names)}; registered: {sorted(n for n, c in backends.items() if c.kind == kind)}")
