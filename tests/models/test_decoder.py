@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import step_with_logits
+from step_helpers import step_with_logits
 
 from mrv2 import LLM, SamplingParams
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import step_with_logits
+from step_helpers import step_with_logits
 
 from mrv2 import LLM, SamplingParams
 

@@ -1,0 +1,16 @@
+"""Test helpers that drive the engine by hand."""
+
+from __future__ import annotations
+
+
+def step_with_logits(engine):
+    """One serial engine step by hand: (requests that got a token, the step's logits [B, V] in batch order).
+
+    Reads the launched forward's logits (a runner internal) before sampling finishes the step.
+    """
+    sched = engine.scheduler.schedule()
+    engine.runner.execute_model(sched)
+    pending = engine.runner._pending
+    logits = None if pending is None else pending.forward.result()[1].clone()
+    out = engine.runner.sample_tokens().get()
+    return engine.scheduler.update_from_output(sched, out), logits
