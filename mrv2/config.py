@@ -141,12 +141,17 @@ class GraphConfig:
     max_capture_size: int = 64
     compile: bool | None = None
     seq_len_buckets: tuple[int, ...] | None = None
+    # Tokens per request of the uniform decode steps FULL graphs hold: 1, or 1 + k when
+    # every step verifies k draft tokens per request.
+    decode_query_len: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, GraphMode):
             raise ValueError(f"mode must be a GraphMode, got {self.mode!r}")
         if self.max_capture_size <= 0:
             raise ValueError(f"max_capture_size must be positive, got {self.max_capture_size}")
+        if not isinstance(self.decode_query_len, int) or self.decode_query_len <= 0:
+            raise ValueError(f"decode_query_len must be a positive integer, got {self.decode_query_len!r}")
         if self.compile and self.mode not in (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE):
             # FULL graphs build attention metadata from host arrays inside the captured callable.
             raise ValueError(f"graph compile applies to piecewise graphs only, got mode {self.mode.value!r}")

@@ -77,7 +77,8 @@ class TorchPagedAttention(AttentionBackend):
             starts = common.query_start_loc[nd:n].long()
             qlens = common.query_start_loc[nd + 1:n + 1].long() - starts
             i = torch.arange(max_q, device=blocks.device)
-            q_valid = i < qlens[:, None]  # [P, Lq]
+            # A padded request (length 0, FULL graphs) has no valid query: its rows attend key 0.
+            q_valid = (i < qlens[:, None]) & (seq_lens[:, None] > 0)  # [P, Lq]
             q_pos = seq_lens[:, None] - qlens[:, None] + i  # position of each query
             j = torch.arange(num_keys, device=blocks.device)
             causal = j[None, None, :] <= q_pos[:, :, None]
@@ -86,10 +87,11 @@ class TorchPagedAttention(AttentionBackend):
             # Row-major position of each prefill token in the padded [P, Lq] output, from
             # host-known sizes only (no boolean indexing: its size would be data-dependent).
             tokens = torch.arange(int(qsl_cpu[nd]), common.num_tokens, device=blocks.device)
-            rows = torch.searchsorted(common.query_start_loc[nd + 1:n + 1], tokens, right=True)
-            out_index = rows * max_q + tokens - starts[rows]
-            prefill = _Group(blocks, n - nd, num_keys, mask[:, None], torch.where(q_valid, starts[:, None] + i, 0),
-                             out_index)
+            # Indices are clamped: a FULL graph is captured over whatever the buffers hold then.
+            rows = torch.searchsorted(common.query_start_loc[nd + 1:n + 1], tokens, right=True).clamp_(max=n - nd - 1)
+            out_index = (rows * max_q + tokens - starts[rows]).clamp_(0, q_valid.numel() - 1)
+            query_index = torch.where(q_valid, starts[:, None] + i, 0).clamp_(0, common.num_tokens - 1)
+            prefill = _Group(blocks, n - nd, num_keys, mask[:, None], query_index, out_index)
         return TorchPagedMetadata(common.slot_mapping, nd, int(qsl_cpu[nd]), decode, prefill)
 
     def transient_bytes(self, num_reqs: int, num_tokens: int, max_seq_len: int, spec: KVCacheSpec) -> int:

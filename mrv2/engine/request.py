@@ -78,6 +78,8 @@ class Request:
         self.num_output_placeholders = 0
         # Launched steps that scheduled this request and whose output is not processed yet.
         self.num_steps_in_flight = 0
+        # Draft tokens proposed for the next step (verified there, then cleared).
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

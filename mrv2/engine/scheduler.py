@@ -113,6 +113,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         cached: list[tuple[Request, list[int]]] = []
         new: list[Request] = []
+        spec: dict[str, list[int]] = {}
         preempted = False
 
         i = 0
@@ -125,6 +126,8 @@ class Scheduler:
                 continue
             # >= 1: the known tokens and placeholders not computed yet.
             num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
+            drafts = self._drafts_to_verify(request, budget) if num_new == 1 and not pending else []
+            num_new += len(drafts)
             while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -135,6 +138,8 @@ class Scheduler:
                 break
             cached.append((request, new_blocks))
             num_scheduled[request.req_id] = num_new
+            if drafts:
+                spec[request.req_id] = drafts
             budget -= num_new
             i += 1
 
@@ -181,6 +186,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids,
             sampled_req_ids=frozenset(sampled),
+            scheduled_spec_decode_tokens=spec,
         )
         self.finished_req_ids = set()
         return output
@@ -202,21 +208,34 @@ class Scheduler:
             request.num_steps_in_flight -= 1
             if req_id in scheduler_output.sampled_req_ids:
                 request.num_output_placeholders -= 1
-                token_id = sampled.get(req_id)
-                if token_id is not None and not request.is_finished:
+                token_ids = sampled.get(req_id)
+                if token_ids and not request.is_finished:
+                    # Rejected drafts: their KV is written but not part of the sequence.
+                    drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())
+                    request.num_computed_tokens -= len(drafts) + 1 - len(token_ids)
                     was_running = request.status == RequestStatus.RUNNING
-                    request.append_output_token(token_id)
-                    if request.check_stop(self.max_model_len):
-                        if was_running:
-                            self.running.remove(request)
-                            self.finished_req_ids.add(req_id)
-                        else:  # preempted: its slot is already freed
-                            self.waiting.remove(request)
-                        self._finish(request, request.status)
+                    for token_id in token_ids:
+                        request.append_output_token(token_id)
+                        if request.check_stop(self.max_model_len):
+                            if was_running:
+                                self.running.remove(request)
+                                self.finished_req_ids.add(req_id)
+                            else:  # preempted: its slot is already freed
+                                self.waiting.remove(request)
+                            self._finish(request, request.status)
+                            break
                     updated.append(request)
             if request.num_steps_in_flight == 0 and self._draining.pop(req_id, None) is not None:
                 self.kv_cache_manager.free(request)
         return updated
+
+    def _drafts_to_verify(self, request: Request, budget: int) -> list[int]:
+        """The request's proposed drafts that fit this step: the budget, max_tokens and
+        max_model_len count every token the step may emit (the drafts and one more)."""
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        drafts, request.spec_token_ids = request.spec_token_ids[:max(room, 0)], []
+        return drafts
 
     def fail_step(self, scheduler_output: SchedulerOutput) -> list[Request]:
         """A launched step produced no output: abort its requests; their blocks return once

@@ -48,6 +48,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Requests whose step reaches their last token, so it samples a new one (not partial prefills).
     sampled_req_ids: frozenset[str] = frozenset()
+    # Draft tokens to verify, per decode request: it is scheduled 1 + len(drafts) tokens
+    # (its last token and the drafts) and samples at each of them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -56,11 +59,12 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """Sampled tokens of one step, one entry per scheduled request, in `req_ids` order.
+    """Sampled tokens of one step, one list per scheduled request, in `req_ids` order.
 
-    A request whose prefill is still partial after this step samples nothing
-    useful; the scheduler ignores its entry.
+    A request without drafts gets one token; with k drafts it gets the accepted
+    drafts and one more (1 to k + 1 tokens). A request whose prefill is still partial
+    after this step samples nothing useful; the scheduler ignores its entry.
     """
 
     req_ids: list[str]
-    sampled_token_ids: list[int]
+    sampled_token_ids: list[list[int]]

@@ -125,7 +125,7 @@ class HostCopy:
 
     @classmethod
     def start(cls, src: torch.Tensor, host: torch.Tensor, event: Any | None) -> "HostCopy":
-        out = host[:src.shape[0]]
+        out = host[:src.numel()].view(src.shape)
         out.copy_(src, non_blocking=event is not None)
         if event is not None:
             event.record()

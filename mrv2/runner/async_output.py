@@ -7,18 +7,29 @@ place the host waits for the device, and the time it waits is accounted as "wait
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
+
 from mrv2.engine.scheduler_output import ModelRunnerOutput
 from mrv2.platforms.device_queue import HostCopy, Pending
 from mrv2.runner.timing import StepTiming
 
 
 class AsyncRunnerOutput:
-    """The sampled ids of one launched step, in `req_ids` order."""
+    """The sampled ids of one launched step, in `req_ids` order.
 
-    def __init__(self, req_ids: list[str], copy: Pending[HostCopy] | None, timing: StepTiming | None) -> None:
+    Without drafts the copy holds one id per request. With drafts it holds rows of
+    [emitted count, tokens...], and `on_drafts(emitted counts)` runs on the host once
+    they are known (the runner corrects its host mirror there).
+    """
+
+    def __init__(self, req_ids: list[str], copy: Pending[HostCopy] | None, timing: StepTiming | None,
+                 on_drafts: Callable[[np.ndarray], None] | None = None) -> None:
         self.req_ids = req_ids
         self._copy = copy
         self._timing = timing
+        self._on_drafts = on_drafts
 
     @classmethod
     def empty(cls) -> "AsyncRunnerOutput":
@@ -29,5 +40,9 @@ class AsyncRunnerOutput:
         if self._copy is None:
             return ModelRunnerOutput([], [])
         with self._timing.phase("wait"):
-            ids = self._copy.result().wait().tolist()
-        return ModelRunnerOutput(self.req_ids, ids[:len(self.req_ids)])
+            host = self._copy.result().wait().numpy()
+        if self._on_drafts is None:
+            return ModelRunnerOutput(self.req_ids, [[t] for t in host.tolist()])
+        counts = host[:, 0]
+        self._on_drafts(counts)
+        return ModelRunnerOutput(self.req_ids, [row[1:1 + m].tolist() for row, m in zip(host, counts)])

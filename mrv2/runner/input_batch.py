@@ -53,12 +53,19 @@ class StepPlan:
     num_tokens: int
     padding: StepPadding | None
     staging: torch.Tensor
+    segments: dict[str, slice]  # where each device-bound array lies in `staging`
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
+    num_drafts_cpu: np.ndarray  # per batch row: draft tokens verified this step
+    num_logits: int  # logits rows: one per request, plus one per draft
 
     @property
     def num_reqs(self) -> int:
         return len(self.idx_cpu)
+
+    @property
+    def max_drafts(self) -> int:
+        return int(self.num_drafts_cpu.max()) if self.num_drafts_cpu.size else 0
 
 
 @dataclass
@@ -75,6 +82,13 @@ class StepBatch:
     positions: torch.Tensor
     logits_indices: torch.Tensor
     attn: CommonAttentionMetadata
+    # Per logits row: its batch row and its offset within that request's rows (0 .. drafts).
+    logits_rows: torch.Tensor
+    logits_offsets: torch.Tensor
+    # Per batch row: its first logits row and its number of drafts.
+    logits_start: torch.Tensor
+    num_drafts: torch.Tensor
+    max_drafts: int
 
 
 class InputBuffers:
@@ -99,12 +113,17 @@ class InputBuffers:
         self.seq_lens = zeros(max_num_reqs, dtype=torch.int32)
         self.idx_mapping = zeros(max_num_reqs, dtype=torch.int64)
         self.num_scheduled = zeros(max_num_reqs, dtype=torch.int32)
-        self.logits_indices = zeros(max_num_reqs, dtype=torch.int64)
+        # Logits rows: one per request plus one per draft token, at most one per token.
+        self.logits_indices = zeros(max_num_tokens, dtype=torch.int64)
+        self.logits_rows = zeros(max_num_tokens, dtype=torch.int64)
+        self.logits_offsets = zeros(max_num_tokens, dtype=torch.int64)
+        self.logits_start = zeros(max_num_reqs, dtype=torch.int64)
+        self.num_drafts = zeros(max_num_reqs, dtype=torch.int64)
         self.block_table = zeros(max_num_reqs, max_blocks_per_req, dtype=torch.int32)
         self.arange = torch.arange(max_num_tokens, dtype=torch.int64, device=device)
-        # Host staging: [idx_mapping | num_scheduled | query_start_loc] travel in one copy.
-        self._staging = [torch.zeros(3 * max_num_reqs + 1, dtype=torch.int64, pin_memory=pin_memory)
-                         for _ in range(2)]
+        # Host staging: everything the step's inputs need from the host, in one copy (see plan()).
+        size = 5 * max_num_reqs + 1 + 5 * max_num_tokens
+        self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=pin_memory) for _ in range(2)]
         self._staging_np = [t.numpy() for t in self._staging]  # host views, taken once
         self._next_staging = 0
         self._max_num_reqs = max_num_reqs
@@ -116,10 +135,18 @@ class InputBuffers:
         return self.gather(plan, states, block_tables)
 
     def plan(self, req_ids: list[str], idx_cpu: np.ndarray, num_scheduled_cpu: np.ndarray,
-             num_computed_cpu: np.ndarray, padding: StepPadding | None = None) -> StepPlan:
+             num_computed_cpu: np.ndarray, padding: StepPadding | None = None,
+             drafts: list[list[int]] | None = None) -> StepPlan:
         """Host work: order, sizes and host metadata of the requests in batch order `idx_cpu`
-        (padded to `padding` if given); `num_computed_cpu` is the slots' host mirror."""
-        b, r = len(idx_cpu), self._max_num_reqs
+        (padded to `padding` if given); `num_computed_cpu` is the slots' host mirror.
+
+        `drafts[i]` are the draft tokens of batch row i (its last `len(drafts[i])` scheduled
+        tokens): their input ids come from here, and the row gets a logits row at each of
+        its last 1 + len(drafts[i]) tokens. Every index the device needs for that (logits
+        rows, their requests and offsets, draft positions and ids) is computed here and
+        travels in the one staging copy: no data-dependent op runs on the device.
+        """
+        b = len(idx_cpu)
         t = int(num_scheduled_cpu.sum())
         padded_attn = padding is not None and padding.pads_attention
         ba, ta = (padding.num_reqs, padding.num_tokens) if padded_attn else (b, t)  # the sizes attention sees
@@ -127,25 +154,47 @@ class InputBuffers:
         np.cumsum(num_scheduled_cpu, out=qsl_cpu[1:])
         if ba > b:
             qsl_cpu = pad_query_start_loc(qsl_cpu, b, ba, ta)
+        num_drafts = np.fromiter((len(d) for d in drafts), np.int64, b) if drafts else np.zeros(b, np.int64)
+        per_row = num_drafts + 1
+        num_logits = int(per_row.sum())
+        logits_rows = np.repeat(np.arange(b), per_row)
+        logits_start = np.cumsum(per_row) - per_row
+        logits_offsets = np.arange(num_logits) - logits_start[logits_rows]
+        logits_indices = (qsl_cpu[1:b + 1] - per_row)[logits_rows] + logits_offsets
+        draft_pos = logits_indices[logits_offsets > 0]  # a draft's input sits after each non-first logits row
+        draft_ids = np.fromiter((x for d in drafts for x in d), np.int64, len(draft_pos)) if drafts else draft_pos
+
+        arrays = {"idx": idx_cpu, "num_scheduled": num_scheduled_cpu, "qsl": qsl_cpu,
+                  "logits_indices": logits_indices, "logits_rows": logits_rows, "logits_offsets": logits_offsets,
+                  "logits_start": logits_start, "num_drafts": num_drafts, "draft_pos": draft_pos,
+                  "draft_ids": draft_ids}
         staging, host = self._staging[self._next_staging], self._staging_np[self._next_staging]
         self._next_staging ^= 1
-        host[:b] = idx_cpu
-        host[r:r + b] = num_scheduled_cpu
-        host[2 * r:2 * r + ba + 1] = qsl_cpu
+        segments, at = {}, 0
+        for name, array in arrays.items():
+            host[at:at + len(array)] = array
+            segments[name] = slice(at, at + len(array))
+            at += len(array)
         seq_lens_cpu = np.zeros(ba, dtype=np.int64)
         seq_lens_cpu[:b] = num_computed_cpu[idx_cpu] + num_scheduled_cpu
-        return StepPlan(req_ids, idx_cpu, num_scheduled_cpu, t, padding, staging, qsl_cpu, seq_lens_cpu)
+        return StepPlan(req_ids, idx_cpu, num_scheduled_cpu, t, padding, staging[:at], segments, qsl_cpu,
+                        seq_lens_cpu, num_drafts, num_logits)
 
     def gather(self, plan: StepPlan, states: RequestStates, block_tables: BlockTables) -> StepBatch:
         """Device work: one copy of the staging buffer, then every input gathered from slot state."""
-        padding, b, t, r = plan.padding, plan.num_reqs, plan.num_tokens, self._max_num_reqs
+        padding, b, t = plan.padding, plan.num_reqs, plan.num_tokens
         bp, tp = (padding.num_reqs, padding.num_tokens) if padding else (b, t)
         padded_attn = padding is not None and padding.pads_attention
         ba, ta = (bp, tp) if padded_attn else (b, t)
         dev = plan.staging.to(self.device, non_blocking=True)
-        self.idx_mapping[:b].copy_(dev[:b])
-        self.num_scheduled[:b].copy_(dev[r:r + b])
-        self.query_start_loc[:ba + 1].copy_(dev[2 * r:2 * r + ba + 1])
+        seg = plan.segments
+        n = plan.num_logits
+        for name, buf in (("idx", self.idx_mapping), ("num_scheduled", self.num_scheduled),
+                          ("qsl", self.query_start_loc), ("logits_indices", self.logits_indices),
+                          ("logits_rows", self.logits_rows), ("logits_offsets", self.logits_offsets),
+                          ("logits_start", self.logits_start), ("num_drafts", self.num_drafts)):
+            part = dev[seg[name]]
+            buf[:part.shape[0]].copy_(part)
 
         idx = self.idx_mapping[:b]
         qsl = self.query_start_loc[:b + 1]
@@ -157,9 +206,11 @@ class InputBuffers:
         computed = states.num_computed[idx].long()
         torch.add(computed[rows], tokens - qsl[rows], out=self.positions[:t])
         positions = self.positions[:t]
+        # Drafts lie past the known history: their ids come from the host, not from token_ids.
         self.input_ids[:t] = states.token_ids[idx[rows], positions]
+        if plan.max_drafts:
+            self.input_ids.index_copy_(0, dev[seg["draft_pos"]], dev[seg["draft_ids"]])
         torch.add(computed, self.num_scheduled[:b], out=self.seq_lens[:b])
-        torch.sub(qsl[1:], 1, out=self.logits_indices[:b])
         block_tables.gather(idx, self.block_table)
         block_tables.slot_mapping(self.block_table[:b], rows, positions, self.slot_mapping)
 
@@ -177,7 +228,9 @@ class InputBuffers:
         return StepBatch(req_ids=plan.req_ids, idx_cpu=plan.idx_cpu, num_scheduled_cpu=plan.num_scheduled_cpu,
                          num_tokens=t, idx_mapping=idx, num_scheduled=self.num_scheduled[:b],
                          input_ids=self.input_ids[:tp], positions=self.positions[:tp],
-                         logits_indices=self.logits_indices[:b], attn=attn)
+                         logits_indices=self.logits_indices[:n], attn=attn, logits_rows=self.logits_rows[:n],
+                         logits_offsets=self.logits_offsets[:n], logits_start=self.logits_start[:b],
+                         num_drafts=self.num_drafts[:b], max_drafts=plan.max_drafts)
 
     def _fill_padding(self, b: int, t: int, bp: int, tp: int) -> None:
         for buf in (self.input_ids, self.positions, self.slot_mapping):

@@ -33,6 +33,7 @@ from mrv2.staged_writes import StagedWrite
 from mrv2.runner.states import RequestStates
 from mrv2.runner.timing import StepTiming
 from mrv2.sample.metadata import SamplingFlags
+from mrv2.sample.draft_verify import verify_drafts
 from mrv2.sample.sampler import Sampler
 from mrv2.sample.states import SamplingStates
 
@@ -81,7 +82,9 @@ class ModelRunner:
         # prepares step N+1 while step N computes.
         self.queue = platform.device_queue(config.async_scheduling)
         # Sampled ids land here, alternately, so two steps in flight never share a buffer.
-        self._host_out = [torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        # With drafts a row holds its emitted count and up to 1 + drafts tokens: at most 2 per token.
+        self._host_out = [torch.zeros(2 * self.max_num_tokens + self.max_num_reqs, dtype=torch.int64, pin_memory=pin)
+                          for _ in range(2)]
         self._next_host_out = 0
 
     # -- set-up --
@@ -186,9 +189,11 @@ class ModelRunner:
             req_ids, idx, num_scheduled = self._batch_order(sched)
             seq_lens = self.states.num_computed_cpu[idx] + num_scheduled
             desc, padding = self.graphs.plan(num_scheduled, seq_lens) if self.graphs else (None, None)
-            plan = self.inputs.plan(req_ids, idx, num_scheduled, self.states.num_computed_cpu, padding)
+            spec = sched.scheduled_spec_decode_tokens
+            drafts = [spec.get(r, []) for r in req_ids] if spec else None
+            plan = self.inputs.plan(req_ids, idx, num_scheduled, self.states.num_computed_cpu, padding, drafts)
             flags = self.sampling.host_flags(idx)
-            self.states.advance_host(idx, num_scheduled)
+            self.states.advance_host(idx, num_scheduled, plan.num_drafts_cpu if drafts else None)
         forward = self._launch(partial(self._forward, writes, plan, desc))
         self._pending = _PendingStep(plan, forward, flags)
         self.timing.steps += 1
@@ -219,12 +224,26 @@ class ModelRunner:
         def sample() -> HostCopy:
             batch, logits = pending.forward.result()
             with self.timing.phase("sample"):
-                positions = self.states.num_tokens[batch.idx_mapping].long()  # of the tokens being sampled
-                sampled = self.sampler(logits, self.sampling.metadata(pending.flags, batch.idx_mapping, positions))
-                self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, sampled)
-                return HostCopy.start(sampled, host, event)
+                # Per logits row: its request's slot and the position of the token it samples.
+                slots = batch.idx_mapping[batch.logits_rows]
+                positions = self.states.num_tokens[slots].long() + batch.logits_offsets
+                sampled = self.sampler(logits, self.sampling.metadata(pending.flags, slots, positions))
+                if not batch.max_drafts:
+                    self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, sampled)
+                    return HostCopy.start(sampled, host, event)
+                tokens, num_emitted = verify_drafts(sampled, batch.input_ids, batch.logits_indices,
+                                                    batch.logits_start, batch.num_drafts, batch.max_drafts)
+                self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, tokens, num_emitted,
+                                               batch.num_drafts)
+                return HostCopy.start(torch.cat([num_emitted[:, None].long(), tokens], dim=1), host, event)
 
-        return AsyncRunnerOutput(pending.plan.req_ids, self._launch(sample), self.timing)
+        plan = pending.plan
+        on_drafts = None
+        if plan.max_drafts:  # the host mirror counted every draft: take the rejected ones back out
+            def on_drafts(num_emitted: np.ndarray) -> None:
+                self.states.reject_host(plan.idx_cpu, plan.num_drafts_cpu + 1 - num_emitted)
+
+        return AsyncRunnerOutput(plan.req_ids, self._launch(sample), self.timing, on_drafts)
 
     def _launch(self, work: Callable[[], T]) -> Pending[T]:
         if not self.queue.synchronous:

@@ -76,31 +76,53 @@ class RequestStates:
         for write in self.take_staged():
             write.apply()
 
-    def advance_host(self, idx_cpu: np.ndarray, num_scheduled_cpu: np.ndarray) -> None:
+    def advance_host(self, idx_cpu: np.ndarray, num_scheduled_cpu: np.ndarray,
+                     num_drafts_cpu: np.ndarray | None = None) -> None:
         """The host mirror's half of the post-update, done when the step is launched.
 
         A request whose step reaches its last known token gains one token (not yet
-        known to the host); a partial prefill chunk gains none.
+        known to the host); with k drafts it gains up to 1 + k, counted in full here
+        (an upper bound) and corrected by `reject_host` when the outcome arrives. A
+        partial prefill chunk gains none.
         """
         computed_cpu = self.num_computed_cpu[idx_cpu] + num_scheduled_cpu
         self.num_computed_cpu[idx_cpu] = computed_cpu
-        self.num_tokens_cpu[idx_cpu] += computed_cpu >= self.num_tokens_cpu[idx_cpu]
+        done = computed_cpu >= self.num_tokens_cpu[idx_cpu]
+        self.num_tokens_cpu[idx_cpu] += done * (1 if num_drafts_cpu is None else 1 + num_drafts_cpu)
 
-    def post_update_device(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor,
-                           sampled: torch.Tensor) -> None:
-        """Advance progress and append each request's sampled token, on the device.
+    def reject_host(self, idx_cpu: np.ndarray, num_rejected: np.ndarray) -> None:
+        """Take rejected drafts back out of the host mirror (their KV does not count)."""
+        self.num_computed_cpu[idx_cpu] -= num_rejected
+        self.num_tokens_cpu[idx_cpu] -= num_rejected
 
-        A request whose prefill is still partial after this step keeps its history
-        unchanged (its sample is discarded), decided per row on the device.
+    def post_update_device(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor, sampled: torch.Tensor,
+                           num_emitted: torch.Tensor | None = None, num_drafts: torch.Tensor | None = None) -> None:
+        """Advance progress and append each request's new tokens, on the device.
+
+        `sampled` is [B] (one token per row) or [B, 1 + max drafts] with `num_emitted`
+        tokens valid per row (the accepted drafts and one more) out of 1 + `num_drafts`
+        computed. A request whose prefill is still partial after this step keeps its
+        history unchanged (its sample is discarded), decided per row on the device.
         """
+        if sampled.dim() == 1:
+            sampled = sampled[:, None]
         computed = self.num_computed[idx_mapping] + num_scheduled
-        self.num_computed[idx_mapping] = computed
         n = self.num_tokens[idx_mapping]
         done = computed >= n
-        pos = n.long()
-        current = self.token_ids[idx_mapping, pos]
-        self.token_ids[idx_mapping, pos] = torch.where(done, sampled, current)
-        self.num_tokens[idx_mapping] = n + done.int()
+        if num_emitted is None:
+            emitted = done.int()
+        else:
+            emitted = torch.where(done, num_emitted, 0).int()
+            computed = computed - torch.where(done, num_drafts + 1 - num_emitted, 0).int()
+        self.num_computed[idx_mapping] = computed
+        # Column j of a row writes its min(j, emitted - 1)-th token: duplicates write equal values.
+        cols = torch.arange(sampled.shape[1], device=sampled.device)
+        take = torch.minimum(cols[None, :], (emitted - 1).clamp(min=0)[:, None].long())
+        pos = n.long()[:, None] + take
+        rows = idx_mapping[:, None].expand_as(pos)
+        current = self.token_ids[rows, pos]
+        self.token_ids[rows, pos] = torch.where((emitted > 0)[:, None], sampled.gather(1, take), current)
+        self.num_tokens[idx_mapping] = n + emitted
 
     def post_update(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor, sampled: torch.Tensor,
                     idx_cpu: np.ndarray, num_scheduled_cpu: np.ndarray) -> None:

@@ -61,15 +61,23 @@ class FakeRunner:
         sampled = []
         for rid, n in so.num_scheduled_tokens.items():
             slot = self.slots[rid]
-            assert n >= 1 and slot.computed + n <= len(slot.tokens)
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            assert n >= 1 and slot.computed + n - len(drafts) <= len(slot.tokens)
             slot.computed += n
             assert len(slot.blocks) * self.block_size >= slot.computed and NULL_BLOCK_ID not in slot.blocks
-            if slot.computed == len(slot.tokens):
-                tok = self.token_fn(rid, len(slot.tokens))
-                slot.tokens.append(tok)
-                sampled.append(tok)
+            if slot.computed >= len(slot.tokens):
+                # Verify the drafts: accept while each equals the token the model samples there.
+                emitted = []
+                for draft in drafts + [None]:
+                    tok = self.token_fn(rid, len(slot.tokens))
+                    slot.tokens.append(tok)
+                    emitted.append(tok)
+                    if tok != draft:
+                        break
+                slot.computed -= len(drafts) + 1 - len(emitted)  # rejected drafts' KV does not count
+                sampled.append(emitted)
             else:
-                sampled.append(-1)  # partial prefill: garbage the scheduler must ignore
+                sampled.append([-1])  # partial prefill: garbage the scheduler must ignore
         return ModelRunnerOutput(req_ids=list(so.num_scheduled_tokens), sampled_token_ids=sampled)
 
 
@@ -536,3 +544,38 @@ def test_async_preempted_request_keeps_its_in_flight_token():
     assert b.output_token_ids == expected_output(b) and b.num_output_tokens == 1  # kept while waiting
     sched.update_from_output(*s1)
     assert sched.schedule().scheduled_new_reqs == []  # no blocks yet; b waits for a
+
+
+@pytest.mark.parametrize("correct", [3, 1, 0])
+def test_drafts_are_verified_in_one_step(correct: int):
+    """A decode step carries 1 + k tokens; the accepted drafts and one more come back."""
+    sched, runner = make_sched(), FakeRunner()
+    a = make_req("a", 6, max_tokens=10)
+    sched.add_request(a)
+    step(sched, runner)
+    truth = [token_fn("a", 7 + i) for i in range(3)]
+    a_drafts = truth[:correct] + [1] * (3 - correct)  # wrong after `correct`
+    a.spec_token_ids = list(a_drafts)
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"a": 4} and so.scheduled_spec_decode_tokens == {"a": a_drafts}
+    assert a.num_output_tokens == 1 + correct + 1 and a.output_token_ids == expected_output(a)
+    assert a.num_computed_tokens == a.num_tokens - 1 and a.spec_token_ids == []
+    assert len(a.block_ids) * BS >= a.num_computed_tokens
+    run_all(sched, runner)
+    assert a.output_token_ids == expected_output(a) and a.num_output_tokens == 10
+
+
+def test_drafts_are_cut_to_max_tokens_and_stop_on_eos():
+    sched = make_sched()
+    runner = FakeRunner(token_fn=lambda rid, pos: EOS if pos == 8 else 100 + pos)
+    a, b = make_req("a", 6, max_tokens=3, ignore_eos=True), make_req("b", 6, max_tokens=10)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, runner)
+    a.spec_token_ids = [107, EOS, 109, 110]  # all correct, but a may emit only 2 more tokens
+    b.spec_token_ids = [107, EOS, 109, 110]  # EOS at position 8 ends b mid-step
+    so, updated = step(sched, runner)
+    assert so.scheduled_spec_decode_tokens == {"a": [107], "b": [107, EOS, 109, 110]}
+    assert a.finish_reason == "length" and a.output_token_ids == [106, 107, EOS]
+    assert b.finish_reason == "stop" and b.output_token_ids == [106, 107, EOS]
+    run_all(sched, runner)

@@ -54,7 +54,9 @@ class ModelGraphs:
             pool = manager.pool
             # Attention in a FULL graph reads a fixed number of keys: one graph per key-length bucket.
             keys = cfg.key_lengths(max_model_len, block_size) if cfg.mode is GraphMode.FULL else (0,)
-            self._tiers.append((GraphDispatcher(cfg, max_num_reqs, max_num_tokens, key_lengths=keys), manager))
+            q = cfg.decode_query_len if cfg.mode is GraphMode.FULL else 1
+            self._tiers.append((GraphDispatcher(cfg, max_num_reqs, max_num_tokens, decode_query_len=q,
+                                                key_lengths=keys), manager))
         self.replays: Counter[GraphMode] = Counter()
 
     def _manager(self, mode: GraphMode, backend: GraphBackend, pool: Any) -> GraphManager:

@@ -1,0 +1,35 @@
+"""Exact verification of draft tokens by sampling at every position.
+
+A step with k drafts for a request has logits at its last 1 + k positions; the
+sampler draws a token at each (greedy or the stateless seeded Gumbel draw of that
+position). Draft i + 1 is accepted while it equals the token drawn at the position
+before it; the request emits the accepted drafts and the first token that differs
+(or the one after the last draft). For drafts that are one token, not a
+distribution (n-gram lookup, a fixed proposer, any greedy drafter), this is the
+rejection sampler: accepting d with probability p(d) and otherwise drawing from p
+renormalized without d is what drawing t ~ p and comparing does. And since a
+position's draw depends only on (seed, position), the output equals the output
+without drafts, token for token. Drafters that propose a distribution need the
+probabilistic rejection sampler instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def verify_drafts(sampled: torch.Tensor, input_ids: torch.Tensor, logits_indices: torch.Tensor,
+                  logits_start: torch.Tensor, num_drafts: torch.Tensor, max_drafts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B, 1 + max_drafts], num_emitted [B]) from one sampled token per logits row.
+
+    Logits rows of batch row b are logits_start[b] .. + num_drafts[b]; the draft a row
+    verifies is the input token after that row's position. Every shape is host-known.
+    """
+    cols = torch.arange(max_drafts + 1, device=sampled.device)
+    rows = logits_start[:, None] + torch.minimum(cols[None, :], num_drafts[:, None])  # [B, 1 + k]
+    tokens = sampled[rows]
+    next_input = logits_indices[rows[:, :max_drafts]] + 1
+    drafts = input_ids[next_input.clamp(max=input_ids.shape[0] - 1)]
+    match = (tokens[:, :max_drafts] == drafts) & (cols[None, :max_drafts] < num_drafts[:, None])
+    num_emitted = 1 + match.int().cumprod(dim=1).sum(dim=1)
+    return tokens, num_emitted
