@@ -3,7 +3,10 @@
 One step: apply the scheduler's diffs to slot state -> order the batch (decodes
 first) -> gather inputs into persistent buffers -> attention metadata -> forward ->
 logits at `logits_indices` -> (separately) sample -> post-update slot state on the
-device. Model, attention and sampling logic live in their own packages.
+device -> one asynchronous copy of the ids to the host. Each part is host work (numpy,
+on the caller's thread) or device work (launched on the platform's `DeviceQueue`), so
+the host can prepare the next step while this one computes. Model, attention and
+sampling logic live in their own packages.
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ from mrv2.runner.graphs.descriptor import BatchDescriptor
 from mrv2.runner.graphs.model_graphs import ModelGraphs
 from mrv2.runner.input_batch import InputBuffers, StepBatch, StepPlan
 from mrv2.runner.kv_cache import KVCache, allocate_kv_cache
-from mrv2.staged_writes import StagedWrite
 from mrv2.runner.states import RequestStates
 from mrv2.runner.timing import StepTiming
-from mrv2.sample.metadata import SamplingFlags
 from mrv2.sample.draft_verify import verify_drafts
+from mrv2.sample.metadata import SamplingFlags
 from mrv2.sample.sampler import Sampler
 from mrv2.sample.states import SamplingStates
+from mrv2.staged_writes import StagedWrite
 
 logger = logging.getLogger("mrv2")
 T = TypeVar("T")
