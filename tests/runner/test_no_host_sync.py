@@ -130,3 +130,29 @@ def test_a_host_read_in_the_step_fails(tiny_checkpoint):
     model.forward = lambda *a, **k: forward(*a, **k) if a[0].sum().item() >= 0 else None  # a sync
     with pytest.raises(HostReadError, match="Tensor.item"):
         _run_guarded(llm, PROMPTS[:1], PARAMS[:1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_draft_steps_have_no_host_reads(tiny_checkpoint, arch):
+    """Steps verifying drafts (q = 1 + k) under the guard: logits rows, draft ids and the
+    verification are device work; the accepted counts come back with the designated copy."""
+    path, _ = tiny_checkpoint(arch, False)
+    kwargs = dict(model=str(path), dtype="float32", kv_cache_memory=1 << 22, async_scheduling=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = LLM(**kwargs).generate(PROMPTS[:2], greedy)
+    llm = LLM(**kwargs)
+    engine = llm.engine
+    engine.runner.queue = GuardedQueue(engine.runner.queue)
+    requests = [engine.make_request(p, greedy) for p in PROMPTS[:2]]
+    for r in requests:
+        engine.add_request(r)
+    drafted = 0
+    with ForbidHostReads():
+        while engine.has_unfinished_requests():
+            for r, out in zip(requests, ref):
+                n = r.num_output_tokens
+                if n and not r.is_finished:  # right, then one wrong draft
+                    r.spec_token_ids = out.outputs[0].token_ids[n:n + 2] + [7]
+            drafted += bool(engine.scheduler.running and any(r.spec_token_ids for r in requests))
+            engine.step()
+    assert drafted and [r.output_token_ids for r in requests] == [o.outputs[0].token_ids for o in ref]
