@@ -1,6 +1,17 @@
-"""Test helpers that drive the engine by hand."""
+"""Shared test helpers: prompts for the default model, and driving the engine by hand."""
 
 from __future__ import annotations
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3, 4, 5,",
+    "Water boils at a temperature of",
+    "The three primary colors are",
+    "Translate to French: Good morning, my friend.",
+    "In machine learning, overfitting means that the model",
+]
 
 
 def step_with_logits(engine):

@@ -7,18 +7,11 @@ requests, some of which stop on EOS, so stop checks on arrival are exercised too
 from __future__ import annotations
 
 import pytest
+from step_helpers import PROMPTS as DEFAULT_MODEL_PROMPTS
 
 from mrv2 import LLM, SamplingParams
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a land far away,",
-    "1, 2, 3, 4, 5,",
-    "Water boils at a temperature of",
-    "The three primary colors are",
-]
-
+PROMPTS = DEFAULT_MODEL_PROMPTS[:6]
 # Tiny checkpoints have a 512-token vocabulary: prompts as ids below it.
 TINY_PROMPTS = [{"prompt_token_ids": [(7 * i + 31 * j) % 500 + 3 for j in range(5 + 3 * i)]} for i in range(6)]
 

@@ -4,20 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_helpers import PROMPTS
 
 from mrv2 import LLM, SamplingParams
 from mrv2.config import GraphMode
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a land far away,",
-    "1, 2, 3, 4, 5,",
-    "Water boils at a temperature of",
-    "The three primary colors are",
-    "Translate to French: Good morning, my friend.",
-    "In machine learning, overfitting means that the model",
-]
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
