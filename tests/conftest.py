@@ -30,7 +30,7 @@ def default_llm():
     """One engine on the default model, shared by the end-to-end tests (each leaves it idle)."""
     from mrv2 import LLM
 
-    return LLM(max_model_len=1024, max_num_seqs=16, kv_cache_memory=64 << 20)
+    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=16, kv_cache_memory=64 << 20)
 
 
 def make_tiny_checkpoint(path: Path, arch: str, tie_word_embeddings: bool, converted_default: Path,

@@ -62,7 +62,8 @@ class LLMEngine:
         checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(checkpoint_dtype, str):
             checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
-        self.dtype = self.platform.resolve_dtype(config.model.dtype, checkpoint_dtype)
+        self.dtype, why = self.platform.resolve_dtype(config.model.dtype, checkpoint_dtype)
+        logger.info("Running in %s: %s", str(self.dtype).removeprefix("torch."), why)
         torch.manual_seed(config.model.seed)
 
         self.runner = ModelRunner(config, self.platform, hf_config, iter_safetensors_weights(path), self.dtype)

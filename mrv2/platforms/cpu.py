@@ -53,9 +53,16 @@ class CpuPlatform(Platform):
     def is_available(self) -> bool:
         return True
 
+    def __init__(self, flags: frozenset[str] | None = None) -> None:
+        # The CPU's feature flags (/proc/cpuinfo); tests pass others to exercise each branch.
+        self.flags = _cpu_flags() if flags is None else frozenset(flags)
+
     def supports_native_bf16(self) -> bool:
-        flags = _cpu_flags()
-        return "avx512_bf16" in flags or "amx_bf16" in flags
+        return "avx512_bf16" in self.flags or "amx_bf16" in self.flags
+
+    def half_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        # bf16 whatever the checkpoint: CPUs with native bf16 have no fast fp16 GEMMs.
+        return torch.bfloat16
 
     def free_memory(self) -> int:
         try:

@@ -61,7 +61,7 @@ def test_one_at_a_time_equals_batch(default_llm, prompt_ids, hf_greedy):
 
 
 def test_chunked_prefill_gives_same_tokens(prompt_ids, hf_greedy):
-    llm = LLM(max_model_len=256, max_num_batched_tokens=8, max_num_seqs=8, kv_cache_memory=32 << 20)
+    llm = LLM(dtype="float32", max_model_len=256, max_num_batched_tokens=8, max_num_seqs=8, kv_cache_memory=32 << 20)
     assert max(map(len, prompt_ids)) > 8  # every long prompt is split into chunks
     assert _tokens(llm.generate(_as_inputs(prompt_ids), GREEDY_32)) == hf_greedy
     assert llm.engine.scheduler.block_pool.is_whole()
@@ -70,7 +70,7 @@ def test_chunked_prefill_gives_same_tokens(prompt_ids, hf_greedy):
 def test_preemption_gives_same_tokens(prompt_ids, hf_greedy):
     # 16 blocks of 16 tokens cannot hold nine requests of up to ~80 tokens: some are preempted.
     spec_bytes = 30 * 2 * 3 * 64 * 4 * 16
-    llm = LLM(max_model_len=256, max_num_seqs=9, kv_cache_memory=17 * spec_bytes + (1 << 16))
+    llm = LLM(dtype="float32", max_model_len=256, max_num_seqs=9, kv_cache_memory=17 * spec_bytes + (1 << 16))
     assert llm.engine.scheduler.block_pool.num_usable_blocks <= 16
     outputs = llm.generate(_as_inputs(prompt_ids), GREEDY_32)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -188,7 +188,7 @@ def test_params_mutated_after_construction_are_rechecked(default_llm):
 def test_unknown_model_path_names_the_path(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(ValueError, match=str(missing)):
-        LLM(model=str(missing))
+        LLM(dtype="float32", model=str(missing))
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -198,14 +198,14 @@ def test_unknown_model_path_names_the_path(tmp_path):
 ])
 def test_bad_graph_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        LLM(max_model_len=64, kv_cache_memory=1 << 24, **kwargs)
+        LLM(dtype="float32", max_model_len=64, kv_cache_memory=1 << 24, **kwargs)
 
 
 def test_graph_options_without_a_mode():
     """Capture sizes alone mean FULL graphs; asking to compile alone means (compiled) PIECEWISE pieces."""
-    sizes = LLM(max_model_len=64, kv_cache_memory=1 << 24, graph_capture_sizes=[2, 1], graph_compile=False)
+    sizes = LLM(dtype="float32", max_model_len=64, kv_cache_memory=1 << 24, graph_capture_sizes=[2, 1], graph_compile=False)
     assert {d.mode for d in sizes.engine.runner.graphs.descriptors} == {GraphMode.FULL}
-    compiled = LLM(max_model_len=64, kv_cache_memory=1 << 24, graph_capture_sizes=[1], graph_compile=True)
+    compiled = LLM(dtype="float32", max_model_len=64, kv_cache_memory=1 << 24, graph_capture_sizes=[1], graph_compile=True)
     assert [d.mode for d in compiled.engine.runner.graphs.descriptors] == [GraphMode.PIECEWISE]
     params = SamplingParams(temperature=0, max_tokens=4)
     assert (compiled.generate("Hello", params)[0].outputs[0].token_ids

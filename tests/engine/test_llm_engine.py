@@ -12,7 +12,7 @@ PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44], [100, 3, 250, 9], [77] * 9, [300, 30
 
 def _tiny_llm(tiny_checkpoint, **kwargs) -> LLM:
     path, _ = tiny_checkpoint("llama", False)
-    return LLM(str(path), max_model_len=128, max_num_seqs=8, kv_cache_memory=8 << 20, **kwargs)
+    return LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=8, kv_cache_memory=8 << 20, **kwargs)
 
 
 def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -14,7 +14,10 @@ import pytest
 MRV2 = shutil.which("mrv2", path=os.path.dirname(sys.executable)) or "mrv2"
 
 
-def run(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
+def run(*args: str, input: str | None = None, exact: bool = True) -> subprocess.CompletedProcess:
+    """Run the `mrv2` command; in the exact fp32 reference mode unless `exact` is False or a dtype is given."""
+    if exact and args[0] in ("generate", "chat", "bench") and "--dtype" not in args:
+        args = (*args, "--dtype", "float32")
     return subprocess.run([MRV2, *args], input=input, capture_output=True, text=True, timeout=600)
 
 
@@ -128,3 +131,9 @@ def _greedy(n: int):
     from mrv2 import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=n)
+
+
+def test_default_dtype_is_logged_with_its_reason():
+    r = run("--log-level", "INFO", "generate", "Hello", "--max-tokens", "2", "--max-model-len", "128", exact=False)
+    assert r.returncode == 0, r.stderr
+    assert "Running in" in r.stderr and "dtype='auto'" in r.stderr

@@ -31,7 +31,7 @@ def _hf_greedy(model, prompt, max_new_tokens):
 @pytest.mark.parametrize("arch,tied", CASES)
 def test_greedy_batch_matches_transformers(tiny_checkpoint, arch, tied):
     path, hf = tiny_checkpoint(arch, tied)
-    llm = LLM(model=str(path), kv_cache_memory=1 << 22, max_num_batched_tokens=64)
+    llm = LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22, max_num_batched_tokens=64)
     prompts = _prompts()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
@@ -47,7 +47,7 @@ def test_greedy_batch_matches_transformers(tiny_checkpoint, arch, tied):
 def test_logits_match_transformers_on_prefill_and_decode(tiny_checkpoint, arch, tied, layout):
     """Step the engine by hand and compare each step's logits with a full HF forward."""
     path, hf = tiny_checkpoint(arch, tied)
-    llm = LLM(model=str(path), kv_cache_memory=1 << 22, kv_cache_layout=layout, max_num_batched_tokens=8)
+    llm = LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22, kv_cache_layout=layout, max_num_batched_tokens=8)
     engine = llm.engine
     prompt = _prompts((19,))[0]
     engine.add_request(engine.make_request({"prompt_token_ids": prompt},
@@ -71,7 +71,7 @@ def test_logits_match_transformers_on_prefill_and_decode(tiny_checkpoint, arch, 
 @pytest.mark.parametrize("rope", [LLAMA3_ROPE, LINEAR_ROPE], ids=["llama3", "linear"])
 def test_rope_scaling_matches_transformers(tiny_checkpoint, rope):
     path, hf = tiny_checkpoint("llama", False, rope_parameters=rope)
-    llm = LLM(model=str(path), kv_cache_memory=1 << 22)
+    llm = LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22)
     prompts = _prompts((70, 9))  # past original_max_position_embeddings, where the scalings differ
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
@@ -99,15 +99,15 @@ def test_bfloat16_runs_close_to_fp32(tiny_checkpoint):
 
 def test_mistral_sliding_window_caps_max_model_len(tiny_checkpoint):
     path, _ = tiny_checkpoint("mistral", False, sliding_window=128)
-    llm = LLM(model=str(path), kv_cache_memory=1 << 22)
+    llm = LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22)
     assert llm.engine.config.max_model_len == 128
     with pytest.raises(ValueError, match="sliding_window"):
-        LLM(model=str(path), kv_cache_memory=1 << 22, max_model_len=256)
+        LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22, max_model_len=256)
 
 
 def test_one_rotary_for_all_layers_sized_to_max_model_len(tiny_checkpoint):
     path, _ = tiny_checkpoint("llama", False)
-    llm = LLM(model=str(path), kv_cache_memory=1 << 22, max_model_len=96)
+    llm = LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22, max_model_len=96)
     rotaries = {id(layer.self_attn.rotary) for layer in llm.engine.runner.model.layers}
     assert len(rotaries) == 1
     assert llm.engine.runner.model.layers[0].self_attn.rotary.cos_sin_cache.shape[0] == 96

@@ -58,7 +58,7 @@ def _generate(llm):
 def test_greedy_with_graphs(checkpoint, hf_reference, mode, compile):
     """MLA and MoE under the graph path (CPU: FULL eager, PIECEWISE compiled or not): still transformers' tokens."""
     path, _ = checkpoint
-    llm = LLM(model=str(path), kv_cache_memory=1 << 22, max_num_batched_tokens=16, graph_mode=mode,
+    llm = LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22, max_num_batched_tokens=16, graph_mode=mode,
               graph_capture_sizes=[1, 2, 4, 8, 16], graph_compile=compile)
     graphs = llm.engine.runner.graphs
     assert _generate(llm) == hf_reference
@@ -68,7 +68,7 @@ def test_greedy_with_graphs(checkpoint, hf_reference, mode, compile):
 @pytest.mark.parametrize("layout", ["joint", "split"])
 def test_greedy_batch_with_chunked_prefill(checkpoint, hf_reference, layout):
     path, _ = checkpoint
-    llm = LLM(model=str(path), kv_cache_memory=1 << 22, kv_cache_layout=layout, max_num_batched_tokens=16)
+    llm = LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22, kv_cache_layout=layout, max_num_batched_tokens=16)
     assert _generate(llm) == hf_reference
     assert llm.engine.scheduler.block_pool.is_whole()
 
@@ -76,7 +76,7 @@ def test_greedy_batch_with_chunked_prefill(checkpoint, hf_reference, layout):
 def test_greedy_with_forced_preemption(checkpoint, hf_reference):
     path, _ = checkpoint
     bytes_per_block = 3 * (KV_LORA + ROPE) * 4 * 16
-    llm = LLM(model=str(path), kv_cache_memory=9 * bytes_per_block + (1 << 12), max_num_seqs=5)
+    llm = LLM(dtype="float32", model=str(path), kv_cache_memory=9 * bytes_per_block + (1 << 12), max_num_seqs=5)
     assert llm.engine.scheduler.block_pool.num_usable_blocks <= 8
     assert _generate(llm) == hf_reference
     assert llm.engine.scheduler.num_preemptions > 0
@@ -85,7 +85,7 @@ def test_greedy_with_forced_preemption(checkpoint, hf_reference):
 
 def test_one_rotary_for_all_layers_sized_to_max_model_len(checkpoint):
     path, _ = checkpoint
-    llm = LLM(model=str(path), kv_cache_memory=1 << 22, max_model_len=96)
+    llm = LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22, max_model_len=96)
     rotaries = {id(layer.self_attn.rotary) for layer in llm.engine.runner.model.layers}
     assert len(rotaries) == 1
     assert llm.engine.runner.model.layers[0].self_attn.rotary.cos_sin_cache.shape[0] == 96
@@ -107,7 +107,7 @@ def _step_logits(llm, prompt, steps):
 
 def test_logits_match_on_prefill_and_decode(checkpoint):
     path, hf = checkpoint
-    llm = LLM(model=str(path), kv_cache_memory=1 << 22, max_num_batched_tokens=8)
+    llm = LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22, max_num_batched_tokens=8)
     checked = 0
     for tokens, logits in _step_logits(llm, _prompts((21,))[0], 8):
         with torch.no_grad():
@@ -121,8 +121,8 @@ def test_absorbed_and_up_projected_paths_agree(checkpoint):
     """Default (up-projected prefill, absorbed decode) against the opposite on both groups."""
     path, _ = checkpoint
     prompt = _prompts((40,))[0]
-    up = LLM(model=str(path), kv_cache_memory=1 << 22)
-    absorbed = LLM(model=str(path), kv_cache_memory=1 << 22)
+    up = LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22)
+    absorbed = LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22)
     backend = up.engine.runner.attn_backend
     assert backend.prefill_absorbed is False and backend.decode_absorbed is True
     absorbed.engine.runner.attn_backend.prefill_absorbed = True
@@ -136,7 +136,7 @@ def test_absorbed_and_up_projected_paths_agree(checkpoint):
 @pytest.mark.parametrize("layout", ["joint", "split"])
 def test_cache_holds_only_latent_and_rope_key(checkpoint, layout):
     path, _ = checkpoint
-    llm = LLM(model=str(path), kv_cache_memory=1 << 22, kv_cache_layout=layout)
+    llm = LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22, kv_cache_layout=layout)
     kv = llm.engine.runner.kv_cache
     per_token = (KV_LORA + ROPE) * 4  # fp32
     for spec in llm.engine.runner.kv_cache_specs():

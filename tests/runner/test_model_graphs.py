@@ -14,12 +14,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
 
 @pytest.fixture(scope="module")
 def eager():
-    return LLM(max_model_len=256, max_num_seqs=16, kv_cache_memory=64 << 20, enforce_eager=True)
+    return LLM(dtype="float32", max_model_len=256, max_num_seqs=16, kv_cache_memory=64 << 20, enforce_eager=True)
 
 
 @pytest.fixture(scope="module")
 def graphed():
-    return LLM(max_model_len=256, max_num_seqs=16, kv_cache_memory=64 << 20, graph_mode="full",
+    return LLM(dtype="float32", max_model_len=256, max_num_seqs=16, kv_cache_memory=64 << 20, graph_mode="full",
                graph_capture_sizes=[1, 2, 4, 8])
 
 
@@ -60,12 +60,12 @@ CHUNKED = dict(max_model_len=256, max_num_seqs=16, kv_cache_memory=64 << 20, max
 
 @pytest.fixture(scope="module")
 def eager_chunked():
-    return LLM(**CHUNKED, enforce_eager=True)
+    return LLM(dtype="float32", **CHUNKED, enforce_eager=True)
 
 
 @pytest.fixture(scope="module")
 def piecewise():
-    return LLM(**CHUNKED, graph_mode="piecewise", graph_capture_sizes=[1, 2, 4, 8, 16])
+    return LLM(dtype="float32", **CHUNKED, graph_mode="piecewise", graph_capture_sizes=[1, 2, 4, 8, 16])
 
 
 @pytest.mark.parametrize("batch", [1, 5, 12])
@@ -90,7 +90,7 @@ def test_piecewise_gives_eager_tokens_with_chunked_prefill(eager_chunked, piecew
 
 
 def test_full_and_piecewise_replays_full_for_decodes_and_pieces_for_the_rest(eager_chunked, monkeypatch):
-    llm = LLM(**CHUNKED, graph_mode="full_and_piecewise", graph_capture_sizes=[1, 2, 4, 8, 16])
+    llm = LLM(dtype="float32", **CHUNKED, graph_mode="full_and_piecewise", graph_capture_sizes=[1, 2, 4, 8, 16])
     graphs = llm.engine.runner.graphs
     # FULL sizes count requests (clamped to max_num_seqs 16), PIECEWISE sizes count tokens.
     assert [(d.mode, d.num_tokens, d.num_reqs) for d in graphs.descriptors] == (
@@ -110,8 +110,8 @@ def test_full_and_piecewise_replays_full_for_decodes_and_pieces_for_the_rest(eag
 def test_full_graphs_per_key_length_bucket(monkeypatch):
     """max_model_len 512: FULL graphs for keys 256 and 512; decodes pick the bucket of their longest sequence."""
     kwargs = dict(max_model_len=512, max_num_seqs=4, kv_cache_memory=64 << 20)
-    eager = LLM(**kwargs, enforce_eager=True)
-    full = LLM(**kwargs, graph_mode="full", graph_capture_sizes=[1, 2, 4])
+    eager = LLM(dtype="float32", **kwargs, enforce_eager=True)
+    full = LLM(dtype="float32", **kwargs, graph_mode="full", graph_capture_sizes=[1, 2, 4])
     graphs = full.engine.runner.graphs
     assert [(d.num_reqs, d.max_seq_len) for d in graphs.descriptors] == [
         (4, 512), (4, 256), (2, 512), (2, 256), (1, 512), (1, 256)]

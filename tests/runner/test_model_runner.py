@@ -10,7 +10,7 @@ from mrv2.runner.kv_cache import num_blocks_for_budget
 
 def _runner(tiny_checkpoint, max_model_len: int = 128, max_num_seqs: int = 8, **kwargs):
     path, _ = tiny_checkpoint("llama", False)
-    llm = LLM(str(path), max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv_cache_memory=4 << 20, **kwargs)
+    llm = LLM(str(path), dtype="float32", max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv_cache_memory=4 << 20, **kwargs)
     return llm.engine.runner
 
 
@@ -56,7 +56,7 @@ def test_measured_profile_adds_the_backend_transient(tiny_checkpoint, monkeypatc
 
 def test_planned_kv_budget_subtracts_activations_and_graph_pool(tiny_checkpoint, monkeypatch):
     path, _ = tiny_checkpoint("llama", False)
-    llm = LLM(str(path), max_model_len=128, max_num_seqs=8)  # budget from free memory
+    llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=8)  # budget from free memory
     engine, runner = llm.engine, llm.engine.runner
     cfg = engine.config
     assert cfg.cache.kv_cache_memory is None
