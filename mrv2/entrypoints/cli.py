@@ -1,4 +1,4 @@
-"""The `mrv2` command: generate, chat, bench."""
+"""The `mrv2` command: generate, chat, bench, eval."""
 
 from __future__ import annotations
 
@@ -168,7 +168,37 @@ def build_parser() -> argparse.ArgumentParser:
     add_decode_args(dec)
     add_engine_args(dec)
     dec.set_defaults(func=run_decode)
+    ev = sub.add_parser("eval", help="quality measurements")
+    ev_sub = ev.add_subparsers(dest="eval", required=True)
+    ppl = ev_sub.add_parser("perplexity", help="perplexity of the model on a text file (sliding window)")
+    ppl.add_argument("--file", required=True, help="a UTF-8 text file")
+    ppl.add_argument("--window", type=int, default=1024, help="tokens per forward (capped at max_model_len)")
+    ppl.add_argument("--stride", type=int, default=None, help="tokens the window advances (default: half of it)")
+    ppl.add_argument("--json", default=None, help="also write the result to this JSON file")
+    add_engine_args(ppl)
+    ppl.set_defaults(func=cmd_perplexity)
     return parser
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from mrv2 import LLM
+    from mrv2.eval import perplexity
+
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"--file {args.file}: {e.strerror}") from None
+    llm = LLM(**engine_kwargs(args))
+    result = perplexity(llm, text, args.window, args.stride)
+    record = {"file": args.file, "dtype": str(llm.engine.dtype).removeprefix("torch."), "tokens": result.num_tokens,
+              "nll": result.nll, "perplexity": result.perplexity}
+    print(f"{args.file}: {result.num_tokens} tokens scored, {record['dtype']}, nll {result.nll:.4f} nats/token, "
+          f"perplexity {result.perplexity:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -254,6 +254,23 @@ class ModelRunner:
         with self.timing.phase("wait"):  # the host thread runs the device work itself
             return self.queue.launch(work)
 
+    def target_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """log p(token_ids[i + 1] | token_ids[:i + 1]) for every i, float32 [len - 1] on the host.
+
+        One causal forward over the tokens, outside the step loop and the KV cache (the
+        profile run's path), launched behind any work in flight; for evaluation.
+        """
+        if not 2 <= len(token_ids) <= self.max_model_len:
+            raise ValueError(f"need 2 to max_model_len ({self.max_model_len}) tokens, got {len(token_ids)}")
+
+        def score() -> torch.Tensor:
+            ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+            hidden = self.model(ids, torch.arange(len(token_ids), device=self.device), None)
+            logits = self.model.compute_logits(hidden[:-1], self.platform.logits_chunk_rows)
+            return logits.log_softmax(dim=-1).gather(1, ids[1:, None])[:, 0].cpu()
+
+        return self.queue.launch(score).result()
+
     def close(self) -> None:
         """Finish launched work and stop the device queue."""
         self.queue.close()
