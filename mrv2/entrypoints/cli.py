@@ -162,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     mla.add_argument("--device", default=None)
     mla.set_defaults(func=run_mla)
 
+    from mrv2.bench.latency import add_args as add_latency_args, run as run_latency
+
+    lat = bench_sub.add_parser("latency", help="time to first token and per output token, one request at a time")
+    add_latency_args(lat)
+    add_engine_args(lat)
+    lat.set_defaults(func=run_latency)
+
     from mrv2.bench.decode import add_args as add_decode_args, run as run_decode
 
     dec = bench_sub.add_parser("decode", help="decode step time, eager vs the graph path, at several batch sizes")

@@ -53,6 +53,12 @@ class CpuPlatform(Platform):
     def is_available(self) -> bool:
         return True
 
+    # Not by default on the CPU: `mrv2 bench throughput --compare async` measures it 1.05-1.10x
+    # at batch 16, within noise at 64 and 0.97x at batch 1 in bf16, where `mrv2 bench
+    # latency` also gives a longer time per output token with it (the worker thread and the
+    # host thread share two cores and the GIL).
+    default_async_scheduling = False
+
     def __init__(self, flags: frozenset[str] | None = None) -> None:
         # The CPU's feature flags (/proc/cpuinfo); tests pass others to exercise each branch.
         self.flags = _cpu_flags() if flags is None else frozenset(flags)

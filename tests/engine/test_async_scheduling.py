@@ -46,12 +46,11 @@ def test_default_model_same_outputs_async_on_and_off(kwargs):
         assert on.engine.scheduler.num_preemptions > 0
 
 
-def test_abort_mid_run_same_survivors(default_llm):
+def test_abort_mid_run_same_survivors():
     """Aborts while steps are in flight: the survivors' outputs are unchanged, nothing leaks."""
-    off = LLM(dtype="float32", async_scheduling=False, max_model_len=1024, max_num_seqs=16,
-              kv_cache_memory=64 << 20)
+    on, off = _pair(max_model_len=256, max_num_seqs=8, kv_cache_memory=32 << 20)
     survivors = {}
-    for llm in (default_llm, off):
+    for llm in (on, off):
         engine = llm.engine
         reqs = [engine.make_request(p, sp) for p, sp in zip(PROMPTS, _params(len(PROMPTS)))]
         for r in reqs:
@@ -66,8 +65,7 @@ def test_abort_mid_run_same_survivors(default_llm):
         assert engine.scheduler.block_pool.is_whole()
         assert engine.runner.states.num_free_slots == engine.runner.max_num_reqs
         survivors[llm] = [done[r.req_id] for r in reqs[::2]]
-    assert default_llm.engine.config.async_scheduling
-    assert survivors[default_llm] == survivors[off]
+    assert survivors[on] == survivors[off]
 
 
 @pytest.mark.parametrize("graph", [

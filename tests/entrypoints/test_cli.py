@@ -137,3 +137,13 @@ def test_default_dtype_is_logged_with_its_reason():
     r = run("--log-level", "INFO", "generate", "Hello", "--max-tokens", "2", "--max-model-len", "128", exact=False)
     assert r.returncode == 0, r.stderr
     assert "Running in" in r.stderr and "dtype='auto'" in r.stderr
+
+
+def test_bench_latency_reports_ttft_and_tpot(tmp_path: Path):
+    out = tmp_path / "lat.json"
+    r = run("bench", "latency", "--input-len", "8", "--output-len", "5", "--repeat", "2", "--json", str(out),
+            "--max-model-len", "128")
+    assert r.returncode == 0, r.stderr
+    assert "time to first token" in r.stdout and "time per output token" in r.stdout
+    result = json.loads(out.read_text())
+    assert len(result["runs"]) == 2 and result["ttft_s"] > 0 and result["tpot_s"] > 0
