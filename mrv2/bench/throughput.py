@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -128,6 +129,7 @@ def _compare_hf(model_path, prompts, outputs, args: argparse.Namespace, total_ou
     import torch
     from transformers import AutoModelForCausalLM
 
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # an async engine leaves this thread one
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)

@@ -36,7 +36,9 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         self.platform = get_platform(config.device)
-        self.platform.configure_threads()
+        if config.async_scheduling is None:
+            config = replace(config, async_scheduling=self.platform.default_async_scheduling)
+        self.platform.configure_threads(host_only=config.async_scheduling)
         path = resolve_model_path(config.model.model)
         hf_config = AutoConfig.from_pretrained(path)
         check_architecture(hf_config)
@@ -53,8 +55,6 @@ class LLMEngine:
         if max_model_len > model_max:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's {limit} ({model_max})")
         config = config.with_max_model_len(max_model_len)
-        if config.async_scheduling is None:
-            config = replace(config, async_scheduling=self.platform.default_async_scheduling)
         if config.scheduler.max_num_batched_tokens < config.scheduler.max_num_seqs:
             config = replace(config, scheduler=replace(config.scheduler,
                                                        max_num_seqs=config.scheduler.max_num_batched_tokens))

@@ -90,8 +90,9 @@ class Platform(ABC):
         """Whether host staging buffers should be pinned for async copies."""
         return False
 
-    def configure_threads(self) -> None:
-        """Set host threading for this device type."""
+    def configure_threads(self, host_only: bool = False) -> None:
+        """Set host threading for this device type; `host_only`: this thread launches no device work
+        (async scheduling, where the device queue has a thread of its own)."""
 
     def device_queue(self, async_scheduling: bool) -> DeviceQueue:
         """Where the runner's device work runs (inline: kernel launches are asynchronous already)."""
