@@ -37,6 +37,12 @@ def _host(array: np.ndarray, dtype: torch.dtype, pin_memory: bool) -> torch.Tens
     return tensor.pin_memory() if pin_memory else tensor
 
 
+def apply_writes(writes: list[StagedWrite]) -> None:
+    """Apply packed writes in order (device work)."""
+    for write in writes:
+        write.apply()
+
+
 class _Writer:
     def take(self) -> StagedWrite | None:
         raise NotImplementedError

@@ -53,10 +53,10 @@ class CpuPlatform(Platform):
     def is_available(self) -> bool:
         return True
 
-    # Not by default on the CPU: `mrv2 bench throughput --compare async` measures it 1.05-1.10x
-    # at batch 16, within noise at 64 and 0.97x at batch 1 in bf16, where `mrv2 bench
-    # latency` also gives a longer time per output token with it (the worker thread and the
-    # host thread share two cores and the GIL).
+    # Not by default on the CPU yet: before the host thread ran one intra-op thread (see
+    # configure_threads), `mrv2 bench throughput --compare async` measured 0.97x at batch 1
+    # in bf16; since then `mrv2 bench latency` measures the modes even, but no per-process
+    # throughput comparison at every batch size has shown it no slower.
     default_async_scheduling = False
 
     def __init__(self, flags: frozenset[str] | None = None) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -101,6 +101,7 @@ class Platform(ABC):
     def new_event(self) -> Any | None:
         """An event to record behind a non-blocking device-to-host copy; None where copies are synchronous."""
         return None
+
     def attention_backend_names(self, kind: str) -> tuple[str, ...]:
         """Registered backend names for attention `kind`, preferred first (the registry takes the first available)."""
         if kind not in self.attention_backends:

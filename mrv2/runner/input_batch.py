@@ -3,8 +3,8 @@
 Every buffer is allocated once at its maximum size; a step writes into a prefix of
 each, so addresses never change and a captured graph can replay over them. The
 only host-to-device traffic per step is one staging copy (batch order `idx_mapping`,
-per-row scheduled token counts, `query_start_loc`); everything else is gathered on
-the device.
+per-row scheduled token counts, `query_start_loc`, the logits rows and, with drafts,
+their positions and ids); everything else is gathered on the device.
 """
 
 from __future__ import annotations

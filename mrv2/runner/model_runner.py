@@ -38,7 +38,7 @@ from mrv2.sample.draft_verify import verify_drafts
 from mrv2.sample.metadata import SamplingFlags
 from mrv2.sample.sampler import Sampler
 from mrv2.sample.states import SamplingStates
-from mrv2.staged_writes import StagedWrite
+from mrv2.staged_writes import StagedWrite, apply_writes
 
 logger = logging.getLogger("mrv2")
 T = TypeVar("T")
@@ -187,7 +187,7 @@ class ModelRunner:
             if sched.is_empty:
                 self._pending = None
                 if writes:
-                    self._launch(partial(_apply_writes, writes))
+                    self._launch(partial(apply_writes, writes))
                 return
             req_ids, idx, num_scheduled = self._batch_order(sched)
             seq_lens = self.states.num_computed_cpu[idx] + num_scheduled
@@ -205,7 +205,7 @@ class ModelRunner:
                  desc: BatchDescriptor | None) -> tuple[StepBatch, torch.Tensor]:
         """Device work of one step up to the logits."""
         with self.timing.phase("forward"):
-            _apply_writes(writes)
+            apply_writes(writes)
             batch = self.inputs.gather(plan, self.states, self.block_tables)
             if desc:
                 hidden = self.graphs.run(desc, batch.attn)
@@ -281,8 +281,3 @@ class _PendingStep:
     plan: StepPlan
     forward: Pending[tuple[StepBatch, torch.Tensor]]
     flags: SamplingFlags
-
-
-def _apply_writes(writes: list[StagedWrite]) -> None:
-    for write in writes:
-        write.apply()

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from mrv2.engine.scheduler_output import NewRequestData
-from mrv2.staged_writes import StagedRowWriter, StagedScalarWriter, StagedWrite
+from mrv2.staged_writes import StagedRowWriter, StagedScalarWriter, StagedWrite, apply_writes
 
 
 class RequestStates:
@@ -73,8 +73,7 @@ class RequestStates:
         return [w for w in writes if w is not None]
 
     def apply_staged(self) -> None:
-        for write in self.take_staged():
-            write.apply()
+        apply_writes(self.take_staged())
 
     def advance_host(self, idx_cpu: np.ndarray, num_scheduled_cpu: np.ndarray,
                      num_drafts_cpu: np.ndarray | None = None) -> None:

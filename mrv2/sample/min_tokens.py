@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mrv2.staged_writes import StagedScalarWriter
+from mrv2.staged_writes import StagedScalarWriter, apply_writes
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,7 @@ class MinTokensState:
         return [w for w in writes if w is not None]
 
     def apply_staged_writes(self) -> None:
-        for write in self.take_staged():
-            write.apply()
+        apply_writes(self.take_staged())
 
     def any_active(self, idx_cpu: np.ndarray) -> bool:
         """Host: whether a request in the batch has a minimum to enforce."""

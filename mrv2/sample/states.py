@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from mrv2.staged_writes import StagedScalarWriter, StagedWrite
+from mrv2.staged_writes import StagedScalarWriter, StagedWrite, apply_writes
 from mrv2.sample.metadata import SamplingFlags, SamplingMetadata, host_flags
 from mrv2.sample.min_tokens import MinTokensState
 from mrv2.sampling_params import SamplingParams
@@ -75,8 +75,7 @@ class SamplingStates:
         return [w for w in writes if w is not None]
 
     def apply_staged_writes(self) -> None:
-        for write in self.take_staged():
-            write.apply()
+        apply_writes(self.take_staged())
 
     def host_flags(self, idx_cpu: np.ndarray) -> SamplingFlags:
         """Host work at launch: what the sampler may skip for the requests in batch order `idx_cpu`."""
