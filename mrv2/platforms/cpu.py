@@ -53,10 +53,10 @@ class CpuPlatform(Platform):
     def is_available(self) -> bool:
         return True
 
-    # Not by default on the CPU yet: before the host thread ran one intra-op thread (see
-    # configure_threads), `mrv2 bench throughput --compare async` measured 0.97x at batch 1
-    # in bf16; since then `mrv2 bench latency` measures the modes even, but no per-process
-    # throughput comparison at every batch size has shown it no slower.
+    # Off on the CPU: measured slower in separate processes at every batch size (bf16, 2 cores,
+    # `mrv2 bench throughput --batch-sizes 1,16,64 --output-len 64`, three pairs alternated:
+    # async/serial medians 0.91x, 0.96x, 0.92x). The host's scheduling competes with the
+    # worker's OpenMP team for the same cores; nothing overlaps that the serial loop leaves idle.
     default_async_scheduling = False
 
     def __init__(self, flags: frozenset[str] | None = None) -> None:
