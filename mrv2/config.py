@@ -24,7 +24,11 @@ class ModelConfig:
 
     `model` is an HF checkpoint folder, a `.gguf` file, or None for the embedded
     default model. `dtype` is "auto", "float32", "bfloat16" or "float16"; "auto"
-    picks float32 on CPUs without native bf16 support.
+    picks float32 on CPUs without native bf16 support. `quantization` says what
+    becomes of a GGUF file's quantized tensors: "auto" keeps them quantized where the
+    platform has a fast kernel for them (int4 kernels for small batches, plus a dense
+    copy for larger ones if it fits a quarter of free memory), "gguf" keeps them
+    quantized without a dense copy, None (or "none") dequantizes them.
     """
 
     model: str | None = None
@@ -32,12 +36,33 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    quantization: str | None = "auto"
 
     def __post_init__(self) -> None:
+        if self.quantization not in ("auto", "gguf", "none", None):
+            raise ValueError(f"quantization must be 'auto', 'gguf' or None, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class QuantPolicy:
+    """How quantized weights run on this platform and dtype.
+
+    `int4_max_rows`: batches of at most this many rows use the int4 kernel (0: no fast
+    int4 kernel here, weights are dequantized). `dense_budget`: bytes a dense copy of the
+    quantized weights may take, for larger batches, where dense GEMMs are faster; the
+    copy is kept only if all of it fits (0: never).
+    """
+
+    int4_max_rows: int = 0
+    dense_budget: int = 0
+
+    @property
+    def uses_int4(self) -> bool:
+        return self.int4_max_rows > 0
 
 
 @dataclass(frozen=True)

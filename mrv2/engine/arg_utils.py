@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="torch.compile piecewise pieces on the CPU (default: on)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap scheduling of the next step with the current one (default: the platform's)")
+    g.add_argument("--quantization", choices=["auto", "gguf", "none"], default="auto",
+                   help="a GGUF file's quantized tensors: auto: int4 kernels where fast (+ a dense copy for large "
+                        "batches when it fits), gguf: int4 only, none: dequantize")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -50,4 +53,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory=args.kv_cache_memory, device=args.device, enforce_eager=args.enforce_eager,
                 graph_mode=args.graph_mode, graph_capture_sizes=_sizes(args.graph_capture_sizes),
-                graph_compile=args.graph_compile, async_scheduling=args.async_scheduling, seed=args.seed)
+                graph_compile=args.graph_compile, async_scheduling=args.async_scheduling, seed=args.seed,
+                quantization=args.quantization)

@@ -35,7 +35,9 @@ class LLM:
     `graph_compile` runs piecewise pieces through torch.compile on the CPU (default:
     on); `enforce_eager` turns it all off. `async_scheduling` overlaps the host's
     scheduling and input preparation of the next step with the current step's compute
-    (default: the platform's; see `mrv2 bench throughput`).
+    (default: the platform's; see `mrv2 bench throughput`). `quantization` ("auto",
+    "gguf" or None) keeps a GGUF file's quantized tensors quantized or dequantizes them
+    (see `ModelConfig`).
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
@@ -45,9 +47,10 @@ class LLM:
                  enable_chunked_prefill: bool = True, enforce_eager: bool = False, seed: int = 0,
                  device: str | None = None, graph_mode: str | None = None,
                  graph_capture_sizes: Sequence[int] | None = None, graph_compile: bool | None = None,
-                 async_scheduling: bool | None = None) -> None:
+                 async_scheduling: bool | None = None, quantization: str | None = "auto") -> None:
         config = EngineConfig(
-            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                              quantization=quantization),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               memory_fraction=kv_cache_memory_fraction, layout=kv_cache_layout,
                               kv_transfer=kv_transfer),

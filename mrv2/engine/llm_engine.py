@@ -32,6 +32,7 @@ class LLMEngine:
         from transformers import AutoConfig, AutoTokenizer
 
         from mrv2.loader.resolve import check_architecture, resolve_model_path
+        from mrv2.loader.gguf_quant import iter_weights_keeping_quantized, quantized_names
         from mrv2.loader.safetensors_weights import iter_safetensors_weights
 
         t0 = time.perf_counter()
@@ -66,7 +67,13 @@ class LLMEngine:
         logger.info("Running in %s: %s", str(self.dtype).removeprefix("torch."), why)
         torch.manual_seed(config.model.seed)
 
-        self.runner = ModelRunner(config, self.platform, hf_config, iter_safetensors_weights(path), self.dtype)
+        weights, quant_policy = iter_safetensors_weights(path), None
+        if quantized_names(path):
+            policy, why = self.platform.quant_policy(self.dtype, config.model.quantization)
+            if policy.uses_int4:
+                weights, quant_policy = iter_weights_keeping_quantized(path), policy
+            logger.info("Quantized GGUF weights %s: %s", "kept quantized" if quant_policy else "dequantized", why)
+        self.runner = ModelRunner(config, self.platform, hf_config, weights, self.dtype, quant_policy)
         num_blocks = self._plan_kv_cache()
         alignment = config.cache.base_alignment(self.platform.kv_alignment)
         kv = self.runner.initialize_kv_cache(num_blocks, alignment)

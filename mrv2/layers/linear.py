@@ -1,10 +1,19 @@
-"""Linear layers whose weights may be loaded as several stacked shards (fused QKV, gate/up)."""
+"""Linear layers whose weights may be loaded as several stacked shards (fused QKV, gate/up).
+
+A shard may arrive quantized (`QuantizedWeight`, from a GGUF file); once every weight
+is loaded, `finalize_quantization` decides how the layer runs it: through the int4
+kernel for small batches (with a dense copy for larger ones when the budget allows),
+or dequantized.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mrv2.config import QuantPolicy
+from mrv2.layers.quantization import Int4Matmul, QuantizedWeight, int4_kernel_supports
 
 
 class Linear(nn.Module):
@@ -16,14 +25,54 @@ class Linear(nn.Module):
         out_features = sum(shard_sizes)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self._quantized: list[QuantizedWeight | None] = [None] * len(shard_sizes)
+        self.int4: Int4Matmul | None = None
+        self.int4_max_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and (self.weight is None or x.numel() <= self.int4_max_rows * x.shape[-1]):
+            y = self.int4(x)
+            return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def load_shard(self, param: nn.Parameter, shard: int, value: torch.Tensor) -> None:
+    def load_shard(self, param: nn.Parameter, shard: int, value: torch.Tensor | QuantizedWeight) -> None:
         start = sum(self.shard_sizes[:shard])
         rows = param.data[start:start + self.shard_sizes[shard]]
         if rows.shape != value.shape:
             raise ValueError(f"shard {shard} of a {tuple(param.shape)} weight expects {tuple(rows.shape)}, "
                              f"got {tuple(value.shape)}")
-        rows.copy_(value)
+        if isinstance(value, QuantizedWeight):
+            self._quantized[shard] = value  # placed by finalize_quantization
+        else:
+            rows.copy_(value)
+
+    def load_quantized(self, name: str, value: QuantizedWeight) -> bool:
+        if name != "weight" or len(self.shard_sizes) != 1:
+            return False
+        self.load_shard(self.weight, 0, value)
+        return True
+
+    def finalize_quantization(self, policy: QuantPolicy, keep_dense: bool) -> None:
+        """Run the loaded quantized shards as int4 (+ a dense copy if `keep_dense`), or dequantize them."""
+        parts = self._quantized
+        self._quantized = [None] * len(parts)
+        if all(p is None for p in parts):
+            return
+        n, k = self.weight.shape
+        use_int4 = (policy.uses_int4 and all(p is not None for p in parts)
+                    and len({p.qtype for p in parts}) == 1 and int4_kernel_supports(n, k))
+        if use_int4:
+            self.int4 = Int4Matmul(QuantizedWeight.cat(parts), self.weight.dtype)
+            self.int4_max_rows = policy.int4_max_rows
+            if not keep_dense:
+                self.weight = None
+                return
+        start = 0
+        for size, part in zip(self.shard_sizes, parts):
+            if part is not None:
+                self.weight.data[start:start + size].copy_(part.dequantize(torch.float32))
+            start += size
+
+    def quantized_dense_bytes(self) -> int:
+        """Bytes a dense copy of the loaded quantized shards takes."""
+        return sum(p.shape.numel() * self.weight.element_size() for p in self._quantized if p is not None)

@@ -1,7 +1,8 @@
 """On-disk cache of GGUF files converted to HF checkpoints, keyed by content hash.
 
 Layout under `cache_root()`:
-    converted/<sha256[:16]>/   one HF checkpoint folder per distinct GGUF content
+    converted/<sha256[:16]>/   one HF checkpoint folder per distinct GGUF content, with
+                               its quantized tensors in QUANT_FILE
     hash_index.json            realpath -> (size, mtime_ns, sha256), so a warm start
                                need not rehash the file; a changed file misses it
 """
@@ -21,6 +22,8 @@ from mrv2.loader.errors import ModelLoadError
 logger = logging.getLogger("mrv2")
 
 _HASH_CHUNK = 16 << 20
+# The quantized tensors of a converted GGUF (codes and scales; see mrv2.loader.gguf_quant).
+QUANT_FILE = "gguf_quantized.safetensors"
 
 
 def cache_root() -> Path:
@@ -64,8 +67,13 @@ def content_hash(path: str | os.PathLike) -> str:
 def converted_checkpoint(gguf_path: str | os.PathLike) -> Path:
     """HF checkpoint folder for a GGUF file, converting it on first use."""
     dest = cache_root() / "converted" / content_hash(gguf_path)[:16]
-    # Conversions land by atomic rename, so a folder with a config.json is complete.
+    # Conversions land by atomic rename, so a folder with a config.json is complete
+    # (folders converted before the quantized weights were kept get them now).
     if (dest / "config.json").is_file():
+        if not (dest / QUANT_FILE).is_file():
+            from mrv2.loader.gguf_convert import ensure_quantized_weights
+
+            ensure_quantized_weights(gguf_path, dest)
         return dest
     from mrv2.loader.gguf_convert import convert_gguf_to_hf
 

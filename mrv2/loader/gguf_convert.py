@@ -1,7 +1,9 @@
 """Convert a llama.cpp GGUF file into an HF checkpoint folder.
 
 The folder holds config.json, generation_config.json, an fp32 model.safetensors
-and the tokenizer files, so everything downstream only ever reads HF format.
+and the tokenizer files, so everything downstream only ever reads HF format; beside
+them, the quantized tensors' codes and scales (`mrv2.loader.gguf_quant`), for the
+engines that run them quantized.
 Weights are dequantized one tensor at a time and streamed into the safetensors
 file, so peak memory is one tensor, not the whole fp32 model.
 """
@@ -15,12 +17,14 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from mrv2.loader.gguf_quant import QUANT_FILE, write_quantized_weights
 from mrv2.loader.errors import CorruptCheckpointError, ModelLoadError, ModelNotFoundError, UnsupportedArchitectureError
 
 # GGUF `general.architecture` -> (HF model_type, HF architecture)
@@ -68,7 +72,9 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
-        _write_weights(reader, gguf_path, config, arch, tmp / "model.safetensors")
+        entries = _entries(reader, gguf_path)
+        _write_weights(entries, gguf_path, config, arch, tmp / "model.safetensors")
+        write_quantized_weights(entries, tmp / QUANT_FILE, _row_permutation(config, arch))
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", {k: config[k] for k in ("bos_token_id", "eos_token_id")})
         _write_tokenizer(gguf_path, config["max_position_embeddings"], tmp)
@@ -80,6 +86,24 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_quantized_weights(gguf_path: str | os.PathLike, folder: str | os.PathLike) -> None:
+    """Add the quantized weights to a folder converted before they were kept (atomically)."""
+    gguf_path, folder = Path(gguf_path), Path(folder)
+    if (folder / QUANT_FILE).is_file():
+        return
+    reader = _open_gguf(gguf_path)
+    config = json.loads((folder / "config.json").read_text())
+    arch = _Metadata(reader, gguf_path).get("general.architecture")
+    fd, tmp = tempfile.mkstemp(prefix=f".{QUANT_FILE}.", dir=folder)
+    os.close(fd)
+    try:
+        write_quantized_weights(_entries(reader, gguf_path), Path(tmp), _row_permutation(config, arch))
+        os.replace(tmp, folder / QUANT_FILE)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _open_gguf(path: Path) -> GGUFReader:
@@ -173,11 +197,28 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_weights(reader: GGUFReader, path: Path, config: dict[str, Any], arch: str, out: Path) -> None:
+def _entries(reader: GGUFReader, path: Path) -> list[tuple[str, tuple[int, ...], Any]]:
+    """(HF name, HF shape, GGUF tensor) of every tensor."""
     entries = []
     for tensor in reader.tensors:
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims fastest-first
         entries.append((_hf_name(tensor.name, path), shape, tensor))
+    return entries
+
+
+def _row_permutation(config: dict[str, Any], arch: str) -> Callable[[str, np.ndarray], np.ndarray]:
+    """Undo llama.cpp's rotary row order on q/k weights (any array with one row per output row)."""
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+
+    def permute(name: str, rows: np.ndarray) -> np.ndarray:
+        proj = name.split(".")[-2]
+        return _unpermute_rope_rows(rows, heads[proj]) if arch == "llama" and proj in heads else rows
+
+    return permute
+
+
+def _write_weights(entries: list[tuple[str, tuple[int, ...], Any]], path: Path, config: dict[str, Any], arch: str,
+                   out: Path) -> None:
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, _ in entries:
         nbytes = 4 * int(np.prod(shape))
@@ -186,7 +227,7 @@ def _write_weights(reader: GGUFReader, path: Path, config: dict[str, Any], arch:
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
 
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    permute = _row_permutation(config, arch)
     with open(out, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for name, shape, tensor in entries:
@@ -196,10 +237,7 @@ def _write_weights(reader: GGUFReader, path: Path, config: dict[str, Any], arch:
                 raise ModelLoadError(f"{path}: cannot dequantize {tensor.name} ({tensor.tensor_type.name})") from exc
             except ValueError as exc:
                 raise CorruptCheckpointError(path, f"tensor {tensor.name}: {exc}") from exc
-            proj = name.split(".")[-2]
-            if arch == "llama" and proj in heads:
-                w = _unpermute_rope_rows(w, heads[proj])
-            f.write(np.ascontiguousarray(w, dtype=np.float32).data)
+            f.write(np.ascontiguousarray(permute(name, w), dtype=np.float32).data)
 
 
 def _write_tokenizer(gguf_path: Path, max_length: int, out: Path) -> None:

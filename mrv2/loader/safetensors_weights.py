@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
@@ -38,8 +38,9 @@ def safetensors_files(folder: str | os.PathLike) -> list[Path]:
     return files
 
 
-def iter_safetensors_weights(folder: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` for every tensor of the checkpoint, one file at a time."""
+def iter_safetensors_weights(folder: str | os.PathLike,
+                             skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` for every tensor of the checkpoint but those in `skip`, one file at a time."""
     for file in safetensors_files(folder):
         try:
             handle = safe_open(file, framework="pt")
@@ -47,6 +48,8 @@ def iter_safetensors_weights(folder: str | os.PathLike) -> Iterator[tuple[str, t
             raise CorruptCheckpointError(file, str(exc)) from exc
         with handle:
             for name in handle.keys():
+                if name in skip:
+                    continue
                 try:
                     tensor = handle.get_tensor(name)
                 except SafetensorError as exc:

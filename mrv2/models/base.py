@@ -21,8 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.config import QuantPolicy
 from mrv2.kv_spec import KVCacheSpec
+from mrv2.layers.embedding import VocabEmbedding
+from mrv2.layers.linear import Linear
 from mrv2.layers.norm import RMSNorm
+from mrv2.layers.quantization import Int4Matmul, QuantizedWeight, int4_kernel_supports
 from mrv2.models.weights import load_hf_weights
 
 
@@ -66,7 +70,7 @@ class PreNormBlock(nn.Module):
         return self.mlp(x), residual
 
 
-def _first_segment(embed: nn.Embedding, block: PreNormBlock, positions: torch.Tensor, input_ids: torch.Tensor,
+def _first_segment(embed: VocabEmbedding, block: PreNormBlock, positions: torch.Tensor, input_ids: torch.Tensor,
                    residual: None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     return block.start(positions, embed(input_ids), None)
 
@@ -96,8 +100,7 @@ class CausalLM(nn.Module):
     def _build(self, blocks: list[PreNormBlock], dtype: torch.dtype) -> None:
         c = self.config
         self.dtype = dtype
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size, dtype)
         self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         if c.tie_word_embeddings:
@@ -105,6 +108,9 @@ class CausalLM(nn.Module):
         else:
             self.lm_head_weight = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, dtype=dtype),
                                                requires_grad=False)
+        self._lm_head_quantized: QuantizedWeight | None = None
+        self.lm_head_int4: Int4Matmul | None = None
+        self.lm_head_int4_max_rows = 0
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         raise NotImplementedError
@@ -156,6 +162,9 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
         """fp32 logits [rows, vocab]; `chunk_rows` splits the LM head by vocabulary rows (see Platform)."""
+        if self.lm_head_int4 is not None and (self.lm_head_weight is None
+                                              or hidden.shape[0] <= self.lm_head_int4_max_rows):
+            return self.lm_head_int4(hidden).float()
         if chunk_rows is None or chunk_rows >= self.lm_head_weight.shape[0]:
             return F.linear(hidden, self.lm_head_weight).float()
         out = hidden.new_empty(hidden.shape[0], self.lm_head_weight.shape[0])
@@ -167,3 +176,51 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raise if any parameter is left unset or a name is unknown."""
         load_hf_weights(self, weights, tied_lm_head=self.config.tie_word_embeddings)
+
+    def load_quantized(self, name: str, value: QuantizedWeight) -> bool:
+        """An untied LM head arriving quantized (placed by `finalize_quantization`)."""
+        if name != "lm_head_weight" or self.config.tie_word_embeddings:
+            return False
+        if tuple(value.shape) != tuple(self.lm_head_weight.shape):
+            raise ValueError(f"checkpoint tensor 'lm_head.weight' has shape {tuple(value.shape)}, "
+                             f"the model expects {tuple(self.lm_head_weight.shape)}")
+        self._lm_head_quantized = value
+        return True
+
+    def finalize_quantization(self, policy: QuantPolicy) -> str | None:
+        """Place the weights that loaded quantized: int4 kernels for batches up to `policy.int4_max_rows`
+        rows, and a dense copy for larger ones if all of it fits `policy.dense_budget` (else int4 only).
+
+        Returns a line for the log, None when nothing loaded quantized.
+        """
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        embed, tied = self.embed_tokens, self.config.tie_word_embeddings
+        head = embed.quantized if tied else self._lm_head_quantized
+        tables = [embed.quantized] if tied else [embed.quantized, head]
+        dense = sum(m.quantized_dense_bytes() for m in linears)
+        dense += sum(q.shape.numel() * self.dtype.itemsize for q in tables if q is not None)
+        if dense == 0:
+            return None
+        keep_dense = dense <= policy.dense_budget
+        for m in linears:
+            m.finalize_quantization(policy, keep_dense)
+        if head is not None and int4_kernel_supports(*head.shape):
+            self.lm_head_int4, self.lm_head_int4_max_rows = Int4Matmul(head, self.dtype), policy.int4_max_rows
+        head_dense = keep_dense or self.lm_head_int4 is None
+        embed.finalize_quantization(keep_dense or (tied and head_dense))
+        if tied:
+            self.lm_head_weight = embed.weight
+        elif self._lm_head_quantized is not None:
+            if head_dense:
+                self.lm_head_weight.data.copy_(self._lm_head_quantized.dequantize(torch.float32))
+            else:
+                self.lm_head_weight = None
+        if embed.weight is not None:
+            embed.quantized = None  # the dense table serves lookups; the LM head has its own packs
+        self._lm_head_quantized = None
+        int4 = sum(m.int4.nbytes for m in linears if m.int4 is not None)
+        int4 += self.lm_head_int4.nbytes if self.lm_head_int4 is not None else 0
+        return (f"int4 kernels ({int4 / 2**20:.0f} MiB) for batches of up to {policy.int4_max_rows} rows; "
+                + (f"a dense copy ({dense / 2**20:.0f} MiB) for larger ones" if keep_dense else
+                   f"no dense copy ({dense / 2**20:.0f} MiB would exceed the budget of "
+                   f"{policy.dense_budget / 2**20:.0f} MiB): int4 for every batch"))

@@ -8,7 +8,9 @@ and stacks MoE experts. A module declares how HF names map onto it:
 - `load_hf_weight(suffix, tensor) -> bool` and `missing_weights() -> list[str]`:
   the module loads (and accounts for) everything under it itself.
 
-Everything else is copied into the parameter of the same name. Unknown names, shape
+Everything else is copied into the parameter of the same name. A `QuantizedWeight`
+(a GGUF tensor kept quantized) goes to its owner's `load_quantized(name, value)` where
+the owner has one, and is dequantized into the parameter otherwise. Unknown names, shape
 mismatches and parameters left unset all raise ValueError naming the tensor.
 """
 
@@ -20,9 +22,10 @@ import torch
 from torch import nn
 
 from mrv2.layers.linear import Linear
+from mrv2.layers.quantization import QuantizedWeight
 
 
-def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,
+def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], *,
                     tied_lm_head: bool, ignore: tuple[str, ...] = ("rotary_emb.",)) -> None:
     """Load every tensor of `weights` into `model`; raise if one has no place or a parameter is left unset."""
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -53,8 +56,14 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
                 loaded.add(f"{target}#{shard}")
                 break
             if len(parts) == 1 or not hasattr(module, parts[0]):
-                _copy(params, prefix + ".".join(parts), name, tensor)
-                loaded.add(prefix + ".".join(parts))
+                target = prefix + ".".join(parts)
+                if isinstance(tensor, QuantizedWeight):
+                    if len(parts) == 1 and hasattr(module, "load_quantized") and module.load_quantized(parts[0], tensor):
+                        loaded.add(target)
+                        break
+                    tensor = tensor.dequantize(torch.float32)
+                _copy(params, target, name, tensor)
+                loaded.add(target)
                 break
             module, prefix, parts = getattr(module, parts[0]), f"{prefix}{parts[0]}.", parts[1:]
     missing = sorted(_expected(model, params, tied_lm_head) - loaded)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from mrv2.config import GraphConfig, GraphMode
+from mrv2.config import GraphConfig, GraphMode, QuantPolicy
 
 from mrv2.platforms.device_queue import DeviceQueue, InlineQueue
 from mrv2.platforms.graphs import EagerGraphBackend, GraphBackend
@@ -67,6 +67,13 @@ class Platform(ABC):
                           f"(checkpoint {checkpoint_dtype}); dtype='float32' is the exact reference mode")
         return torch.float32, (f"dtype='auto': {self.name} has no native bf16 (emulated bf16 measured 1.5-4.5x "
                                f"slower than float32)")
+
+    def quant_policy(self, dtype: torch.dtype, quantization: str | None) -> tuple[QuantPolicy, str]:
+        """How quantized checkpoint weights run at `dtype`, and why (for the log).
+
+        The base platform has no quantized kernels: weights are dequantized.
+        """
+        return QuantPolicy(), f"{self.name} has no weight-only quantized kernels in mrv2"
 
     def half_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The half-precision dtype "auto" picks: the checkpoint's own if it is one, else bf16."""

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from mrv2.attention import get_attention_backend
-from mrv2.config import EngineConfig, GraphMode
+from mrv2.config import EngineConfig, GraphMode, QuantPolicy
 from mrv2.engine.scheduler_output import SchedulerOutput
 from mrv2.kv_spec import KVCacheSpec
 from mrv2.models.registry import attention_kind, build_model
@@ -48,7 +48,7 @@ class ModelRunner:
     """Turns scheduler outputs into sampled tokens on one device."""
 
     def __init__(self, config: EngineConfig, platform: Platform, hf_config: Any, weights,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quant_policy: QuantPolicy | None = None) -> None:
         self.config = config
         self.platform = platform
         self.device = platform.device
@@ -63,6 +63,8 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = build_model(hf_config, self.attn_backend, dtype, self.max_model_len)
         self.model.load_weights(weights)
+        if quant_policy is not None and (placed := self.model.finalize_quantization(quant_policy)):
+            logger.info("Quantized weights: %s", placed)
         self.model.eval()
 
         max_blocks = -(-self.max_model_len // self.block_size)

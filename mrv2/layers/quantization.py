@@ -1,0 +1,110 @@
+"""Weight-only quantized matmuls for GGUF block formats (Q4_0, Q4_1, Q8_0) on torch's int4 CPU kernel.
+
+`QuantizedWeight` holds a weight as GGUF stores it: integer codes and one scale (and,
+for Q4_1, one min) per block of 32 weights along the input dimension. `Int4Matmul`
+multiplies by it through `torch._weight_int4pack_mm_for_cpu`, whose groups dequantize
+as `(q - 8) * scale + zero`:
+
+- Q4_0, `d * (q - 8)`: scale d, zero 0;
+- Q4_1, `d * q + m`: scale d, zero m + 8d;
+- Q8_0, `d * q` with q in [-127, 127]: q = 16 * hi + lo (hi in [-8, 7], lo in [0, 15]),
+  two int4 matmuls, one with codes hi + 8 and scale 16d, one with codes lo, scale d and
+  zero 8d, summed. Same bytes as int8, and exact, unlike a per-channel int8 requantization.
+
+Scales and zeros are held in the activations' dtype, so effective weights equal the
+GGUF dequantization up to that dtype's rounding of the scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GGUF_BLOCK = 32
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A [N, K] weight in GGUF blocks: `codes` [N, K] (uint8 0..15 for Q4, int8 for Q8_0),
+    `scales` and `mins` (Q4_1 only) [N, K / 32]."""
+
+    qtype: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.qtype not in QUANT_TYPES:
+            raise ValueError(f"unsupported quantized type {self.qtype!r} (supported: {', '.join(QUANT_TYPES)})")
+        n, k = self.codes.shape
+        if k % GGUF_BLOCK or tuple(self.scales.shape) != (n, k // GGUF_BLOCK):
+            raise ValueError(f"{self.qtype} codes {tuple(self.codes.shape)} need scales of shape "
+                             f"({n}, {k // GGUF_BLOCK}), got {tuple(self.scales.shape)}")
+        if (self.mins is not None) != (self.qtype == "Q4_1"):
+            raise ValueError(f"{self.qtype} {'needs' if self.qtype == 'Q4_1' else 'has no'} mins")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight (or its `rows`) in `dtype`, computed in fp32 as `gguf.quants.dequantize` does."""
+        codes, scales, mins = self.codes, self.scales, self.mins
+        if rows is not None:
+            codes, scales = codes[rows], scales[rows]
+            mins = mins[rows] if mins is not None else None
+        q = codes.float().unflatten(-1, (-1, GGUF_BLOCK))
+        if self.qtype == "Q4_0":
+            q = q - 8
+        w = q * scales.float()[..., None]
+        if mins is not None:
+            w = w + mins.float()[..., None]
+        return w.flatten(-2).to(dtype)
+
+    @staticmethod
+    def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
+        """Stack weights of one type by rows (the shards of a fused projection)."""
+        qtypes = {p.qtype for p in parts}
+        if len(qtypes) != 1:
+            raise ValueError(f"cannot stack weights of different types {sorted(qtypes)}")
+        mins = torch.cat([p.mins for p in parts]) if parts[0].mins is not None else None
+        return QuantizedWeight(parts[0].qtype, torch.cat([p.codes for p in parts]),
+                               torch.cat([p.scales for p in parts]), mins)
+
+
+def int4_kernel_supports(n: int, k: int) -> bool:
+    """Shapes torch's int4 CPU kernel packs: whole 32-groups along K, N a multiple of its 16-row tiles."""
+    return k % GGUF_BLOCK == 0 and n % 16 == 0
+
+
+class Int4Matmul:
+    """x @ W^T for a `QuantizedWeight`, on torch's int4 CPU kernel; x [M, K] in the kernel's dtype."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        d = weight.scales.float()
+        if weight.qtype == "Q8_0":
+            c = weight.codes.int()
+            packs = [(torch.div(c, 16, rounding_mode="floor") + 8, 16 * d, torch.zeros_like(d)),
+                     (c & 15, d, 8 * d)]
+        elif weight.qtype == "Q4_1":
+            packs = [(weight.codes.int(), d, weight.mins.float() + 8 * d)]
+        else:
+            packs = [(weight.codes.int(), d, torch.zeros_like(d))]
+        self.out_features, self.in_features = weight.shape
+        self._packs = [(torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1),
+                        torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous())
+                       for codes, scale, zero in packs]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        out = None
+        for packed, scales_zeros in self._packs:
+            y = torch._weight_int4pack_mm_for_cpu(x2, packed, GGUF_BLOCK, scales_zeros)
+            out = y if out is None else out.add_(y)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in self._packs)
