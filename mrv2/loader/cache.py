@@ -22,8 +22,9 @@ from mrv2.loader.errors import ModelLoadError
 logger = logging.getLogger("mrv2")
 
 _HASH_CHUNK = 16 << 20
-# The quantized tensors of a converted GGUF (codes and scales; see mrv2.loader.gguf_quant).
-QUANT_FILE = "gguf_quantized.safetensors"
+# The quantized tensors of a converted GGUF (codes and scales; see mrv2.loader.gguf_quant), in
+# a subfolder: tools that load every *.safetensors of a checkpoint folder (vLLM) must not see it.
+QUANT_FILE = "quantized/gguf_blocks.safetensors"
 
 
 def cache_root() -> Path:

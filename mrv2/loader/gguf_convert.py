@@ -74,6 +74,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
     try:
         entries = _entries(reader, gguf_path)
         _write_weights(entries, gguf_path, config, arch, tmp / "model.safetensors")
+        (tmp / QUANT_FILE).parent.mkdir()
         write_quantized_weights(entries, tmp / QUANT_FILE, _row_permutation(config, arch))
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", {k: config[k] for k in ("bos_token_id", "eos_token_id")})
@@ -96,7 +97,8 @@ def ensure_quantized_weights(gguf_path: str | os.PathLike, folder: str | os.Path
     reader = _open_gguf(gguf_path)
     config = json.loads((folder / "config.json").read_text())
     arch = _Metadata(reader, gguf_path).get("general.architecture")
-    fd, tmp = tempfile.mkstemp(prefix=f".{QUANT_FILE}.", dir=folder)
+    (folder / QUANT_FILE).parent.mkdir(exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".gguf_blocks.", dir=(folder / QUANT_FILE).parent)
     os.close(fd)
     try:
         write_quantized_weights(_entries(reader, gguf_path), Path(tmp), _row_permutation(config, arch))
