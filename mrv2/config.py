@@ -41,6 +41,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.quantization not in ("auto", "gguf", "none", None):
             raise ValueError(f"quantization must be 'auto', 'gguf' or None, got {self.quantization!r}")
+        if self.quantization == "none":  # the CLI's spelling of None
+            object.__setattr__(self, "quantization", None)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:

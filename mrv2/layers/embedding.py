@@ -15,6 +15,7 @@ class VocabEmbedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__(num_embeddings, embedding_dim, dtype=dtype)
         self.weight.requires_grad_(False)
+        self.dtype = dtype  # lookups' dtype, also once the dense table is dropped
         self.quantized: QuantizedWeight | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -26,7 +27,6 @@ class VocabEmbedding(nn.Embedding):
         if name != "weight" or tuple(value.shape) != tuple(self.weight.shape):
             return False
         self.quantized = value
-        self.dtype = self.weight.dtype
         return True
 
     def finalize_quantization(self, keep_dense: bool) -> None:

@@ -16,7 +16,7 @@ GGUF types are not listed: they load from the fp32 weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,18 +63,23 @@ def write_quantized_weights(tensors: list[tuple[str, tuple[int, ...], Any]], out
     save_file(arrays, str(out), metadata=types)
 
 
+def stored_weight(qtype: str, parts: Mapping[str, torch.Tensor]) -> QuantizedWeight:
+    """A `QuantizedWeight` from its stored parts (`decode_blocks`' layout: Q4 codes nibble-packed)."""
+    codes = parts["codes"]
+    if qtype != "Q8_0":
+        codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
+    return QuantizedWeight(qtype, codes, parts["scales"], parts.get("mins"))
+
+
 def iter_quantized_weights(folder: Path) -> Iterator[tuple[str, QuantizedWeight]]:
     """Yield `(hf name, QuantizedWeight)` for every tensor of the folder's `QUANT_FILE`."""
     from safetensors import safe_open
 
     with safe_open(folder / QUANT_FILE, framework="pt") as f:
-        types = f.metadata() or {}
-        for name, qtype in types.items():
-            codes = f.get_tensor(f"{name}.codes")
-            if qtype != "Q8_0":
-                codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
-            mins = f.get_tensor(f"{name}.mins") if qtype == "Q4_1" else None
-            yield name, QuantizedWeight(qtype, codes, f.get_tensor(f"{name}.scales"), mins)
+        keys = set(f.keys())
+        for name, qtype in (f.metadata() or {}).items():
+            parts = {p: f.get_tensor(f"{name}.{p}") for p in ("codes", "scales", "mins") if f"{name}.{p}" in keys}
+            yield name, stored_weight(qtype, parts)
 
 
 def quantized_names(folder: Path) -> set[str]:

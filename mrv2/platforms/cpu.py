@@ -73,7 +73,7 @@ class CpuPlatform(Platform):
     int4_max_rows = 8
 
     def quant_policy(self, dtype: torch.dtype, quantization: str | None) -> tuple[QuantPolicy, str]:
-        if quantization in (None, "none"):
+        if quantization is None:
             return QuantPolicy(), "quantization=None was asked for"
         if dtype != torch.bfloat16:
             return QuantPolicy(), (f"torch's int4 CPU kernel is fast in bfloat16 only; this engine runs "

@@ -12,7 +12,7 @@ from gguf.quants import dequantize, quantize
 from mrv2.config import QuantPolicy
 from mrv2.layers.linear import Linear
 from mrv2.layers.quantization import Int4Matmul, QuantizedWeight
-from mrv2.loader.gguf_quant import decode_blocks
+from mrv2.loader.gguf_quant import decode_blocks, stored_weight
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
@@ -22,12 +22,8 @@ def quantized(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeigh
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     raw = quantize(w, GGMLQuantizationType[qtype])
     ref = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)
-    parts = decode_blocks(qtype, raw, n, k)
-    codes = torch.from_numpy(parts["codes"])
-    if qtype != "Q8_0":  # stored nibble-packed
-        codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
-    mins = torch.from_numpy(parts["mins"]) if "mins" in parts else None
-    return QuantizedWeight(qtype, codes, torch.from_numpy(parts["scales"]), mins), ref
+    parts = {p: torch.from_numpy(a) for p, a in decode_blocks(qtype, raw, n, k).items()}
+    return stored_weight(qtype, parts), ref
 
 
 @pytest.mark.parametrize("qtype", TYPES)
