@@ -4,8 +4,11 @@ Prompts are random token ids of a fixed length (seeded), generation is greedy wi
 `ignore_eos`, so every engine does exactly the same work. Each batch size of
 `--batch-sizes` is one workload (all its prompts submitted at once).
 
-- `--compare hf`: the same workload through transformers `generate` (fp32, one
-  batch without padding) in the same process; the ratio of output throughputs.
+- `--compare hf,llama.cpp` (either or both): the same workload through transformers
+  `generate` (fp32, one batch without padding) and through llama.cpp on the same GGUF
+  with the same threads (`llama-cpp-python`, the optional `llama` extra; skipped with a
+  message when it is not installed), in the same process; a table of output tok/s and
+  mrv2's ratio over each engine per batch size, and with `--plot` a PNG of the same.
 - `--compare async`: two engines, async scheduling on and off, timed in turn (the
   order alternates every repeat) on each workload; the ratio is the median of the
   per-pair ratios. Each side also reports the share of wall time its host thread
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import numpy as np
@@ -29,10 +31,28 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated batch sizes, each its own workload (default: --num-prompts)")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--compare", choices=["hf", "async"], default=None,
-                   help="hf: also run transformers generate; async: async scheduling on vs off")
+    p.add_argument("--compare", default=None,
+                   help="comma-separated: hf (transformers generate), llama.cpp (llama-cpp-python on the same GGUF); "
+                        "or async alone (async scheduling on vs off)")
     p.add_argument("--repeat", type=int, default=1, help="timed runs of each engine (the median is reported)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--plot", default=None, help="also draw output tok/s against batch size per engine to this PNG")
+
+
+PEERS = ("hf", "llama.cpp")
+
+
+def _compared(args: argparse.Namespace) -> list[str]:
+    """The engines of `--compare`, validated."""
+    if not args.compare:
+        return []
+    names = [c.strip() for c in args.compare.split(",")]
+    unknown = [c for c in names if c not in (*PEERS, "async")]
+    if unknown:
+        raise ValueError(f"--compare: unknown engine {unknown[0]!r}; choose from hf, llama.cpp, async")
+    if "async" in names and len(names) > 1:
+        raise ValueError("--compare async compares mrv2 with itself; it does not combine with other engines")
+    return names
 
 
 def _prompts(vocab_size: int, special: set[int], n: int, length: int, seed: int) -> list[list[int]]:
@@ -64,26 +84,30 @@ def _timed_generate(llm, inputs, params) -> tuple[float, float, list]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from mrv2 import LLM, SamplingParams
+    from mrv2.bench import report
     from mrv2.engine.arg_utils import engine_kwargs
 
     sizes = _batch_sizes(args)
+    compare = _compared(args)
     kwargs = engine_kwargs(args)
-    if args.compare == "async":
+    if compare == ["async"]:
         engines = {"async": LLM(**kwargs | {"async_scheduling": True}),
                    "serial": LLM(**kwargs | {"async_scheduling": False})}
     else:
-        llm = LLM(**kwargs)
-        engines = {"async" if llm.engine.config.async_scheduling else "serial": llm}
+        engines = {"mrv2": LLM(**kwargs)}
     first = next(iter(engines.values()))
     engine = first.engine
     tokenizer = first.get_tokenizer()
+    threads = engine.platform.compute_threads()
+    peers = {"hf": HfPeer(engine.model_path, threads) if "hf" in compare else None,
+             "llama.cpp": _llama_cpp_peer(args, threads) if "llama.cpp" in compare else None}
+    peers = {name: peer for name, peer in peers.items() if peer is not None}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    print(f"workload: batch {', '.join(map(str, sizes))} x {args.input_len} input tokens -> {args.output_len} "
-          f"output tokens, greedy, {engine.dtype}, {torch.get_num_threads()} threads, device {engine.platform.name}, "
-          f"median of {args.repeat}")
+    workload = (f"batch {', '.join(map(str, sizes))} x {args.input_len} input tokens -> {args.output_len} "
+                f"output tokens, greedy, {engine.dtype}, {threads} threads, device {engine.platform.name}, "
+                f"median of {args.repeat}")
+    print(f"workload: {workload}")
 
     results: dict[str, dict] = {}
     for b in sizes:
@@ -104,10 +128,11 @@ def run(args: argparse.Namespace) -> int:
         for name, samples in runs.items():
             t = float(np.median([s for s, _ in samples]))
             result[name] = {"seconds": t, "output_tok_s": total_out / t,
-                            "host_wait_share": float(np.median([w for _, w in samples]))}
-            print(f"batch {b:3d} mrv2 {name:6s}: {total_out / t:8.1f} output tok/s  total {t:6.2f} s  "
+                            "host_wait_share": float(np.median([w for _, w in samples])),
+                            "async_scheduling": engines[name].engine.config.async_scheduling}
+            print(f"batch {b:3d} {name:9s}: {total_out / t:8.1f} output tok/s  total {t:6.2f} s  "
                   f"host waits for the device {100 * result[name]['host_wait_share']:5.1f}% of the time")
-        if args.compare == "async":
+        if compare == ["async"]:
             ratio = float(np.median([s / a for (a, _), (s, _) in zip(runs["async"], runs["serial"])]))
             same = sum(x.outputs[0].token_ids == y.outputs[0].token_ids
                        for x, y in zip(outputs["async"], outputs["serial"]))
@@ -115,36 +140,76 @@ def run(args: argparse.Namespace) -> int:
             result["identical_completions"] = same
             print(f"batch {b:3d} ratio async/serial throughput: {ratio:.3f}x (median of {args.repeat} pairs; "
                   f"identical greedy completions: {same}/{b})")
-        if args.compare == "hf":
-            result |= _compare_hf(engine.model_path, prompts, outputs[next(iter(engines))], args, total_out,
-                                  result[next(iter(engines))]["seconds"])
+        ours = [o.outputs[0].token_ids for o in outputs["mrv2"]] if "mrv2" in outputs else []
+        for name, peer in peers.items():
+            peer_result = result[name] = _time_peer(peer, prompts, args)
+            peer_result["identical_completions"] = sum(a == p for a, p in zip(ours, peer_result.pop("outputs")))
+            print(f"batch {b:3d} {name:9s}: {peer_result['output_tok_s']:8.1f} output tok/s  total "
+                  f"{peer_result['seconds']:6.2f} s  ratio mrv2/{name}: "
+                  f"{peer_result['seconds'] / result['mrv2']['seconds']:.2f}x  (identical greedy completions: "
+                  f"{peer_result['identical_completions']}/{b})")
         results[str(b)] = result
+    for peer in peers.values():
+        peer.close()
+    if len(engines) + len(peers) > 1:
+        print()
+        print(report.table(results, "mrv2" if "mrv2" in engines else "async"))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"workload": workload, "results": results}, f, indent=2)
+    if args.plot:
+        report.plot(results, args.plot, f"mrv2 bench throughput: {workload}")
+        print(f"plot written to {args.plot}")
     return 0
 
 
-def _compare_hf(model_path, prompts, outputs, args: argparse.Namespace, total_out: int, mrv2_seconds: float) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
+def _llama_cpp_peer(args: argparse.Namespace, threads: int):
+    """The llama.cpp peer on the model's GGUF, or None (with the reason printed) when it cannot run."""
+    from mrv2.bench import llama_cpp
+    from mrv2.loader.resolve import gguf_source
 
-    torch.set_num_threads(len(os.sched_getaffinity(0)))  # an async engine leaves this thread one
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
-    with torch.inference_mode():
-        model.generate(ids[:4], attention_mask=mask[:4], max_new_tokens=4, do_sample=False)
-        hf_times, hf_out = [], None
-        for _ in range(args.repeat):
+    if not llama_cpp.available():
+        print(llama_cpp.MISSING)
+        return None
+    gguf = gguf_source(args.model)
+    if gguf is None:
+        print(f"llama.cpp comparison skipped: {args.model} is an HF checkpoint folder; llama.cpp needs a .gguf file")
+        return None
+    print(f"llama.cpp: {gguf.name}, {threads} threads (llama-cpp-python)")
+    return llama_cpp.LlamaCppPeer(gguf, threads)
+
+
+def _time_peer(peer, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """Median seconds and tok/s of `peer` on the workload, after a warm-up; its last outputs."""
+    peer.generate(prompts[:4], 4)
+    runs = [peer.generate(prompts, args.output_len) for _ in range(args.repeat)]
+    t = float(np.median([s for s, _ in runs]))
+    return {"seconds": t, "output_tok_s": len(prompts) * args.output_len / t, "outputs": runs[-1][1]}
+
+
+class HfPeer:
+    """transformers `generate` in fp32 (one batch, no padding): the reference engine as a peer."""
+
+    def __init__(self, model_path, threads: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self._torch = torch
+        self.threads = threads
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+        """(seconds, greedy output ids per prompt)."""
+        torch = self._torch
+        torch.set_num_threads(self.threads)  # an async engine leaves this (the host) thread one
+        ids = torch.tensor(prompts)
+        with torch.inference_mode():
             t0 = time.perf_counter()
-            hf_out = model.generate(ids, attention_mask=mask, max_new_tokens=args.output_len,
-                                    min_new_tokens=args.output_len, do_sample=False, pad_token_id=0)
-            hf_times.append(time.perf_counter() - t0)
-    th = float(np.median(hf_times))
-    hf_tokens = hf_out[:, args.input_len:].tolist()
-    same = sum(o.outputs[0].token_ids == h for o, h in zip(outputs, hf_tokens))
-    print(f"hf:   {total_out / th:8.1f} output tok/s  total {th:6.2f} s")
-    print(f"ratio mrv2/hf: {th / mrv2_seconds:.2f}x  (identical greedy completions: {same}/{len(prompts)})")
-    return {"hf": {"seconds": th, "output_tok_s": total_out / th}, "ratio": th / mrv2_seconds,
-            "identical_completions": same}
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                                      min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+            seconds = time.perf_counter() - t0
+        return seconds, out[:, ids.shape[1]:].tolist()
+
+    def close(self) -> None:
+        """Drop the model."""
+        self.model = None

@@ -51,6 +51,19 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     raise ModelNotFoundError(path)
 
 
+def gguf_source(model: str | os.PathLike | None) -> Path | None:
+    """The GGUF file `model` stands for (None: the embedded default), or None for an HF folder."""
+    if model is None:
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        return ggufs[0] if len(ggufs) == 1 else None
+    return None
+
+
 def check_architecture(hf_config: Any, supported: Iterable[str] | None = None) -> str:
     """The first supported architecture the config names; else UnsupportedArchitectureError.
 

@@ -101,6 +101,10 @@ class Platform(ABC):
         """Set host threading for this device type; `host_only`: this thread launches no device work
         (async scheduling, where the device queue has a thread of its own)."""
 
+    def compute_threads(self) -> int:
+        """Host threads the forward computes with (what a CPU peer engine should get to be fair)."""
+        return torch.get_num_threads()
+
     def device_queue(self, async_scheduling: bool) -> DeviceQueue:
         """Where the runner's device work runs (inline: kernel launches are asynchronous already)."""
         return InlineQueue()

@@ -97,10 +97,37 @@ def test_bench_throughput_compare_hf(tmp_path: Path):
             "--json", str(out), "--max-model-len", "512", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     assert "output tok/s" in r.stdout and "ratio mrv2/hf" in r.stdout and "host waits for the device" in r.stdout
-    result = json.loads(out.read_text())["4"]
-    assert result["identical_completions"] == 4  # greedy, fp32: the same tokens as transformers
-    mrv2 = result.get("async") or result["serial"]
-    assert mrv2["output_tok_s"] > 0 and result["hf"]["output_tok_s"] > 0
+    assert "| 4 |" in r.stdout  # the summary table
+    result = json.loads(out.read_text())["results"]["4"]
+    assert result["hf"]["identical_completions"] == 4  # greedy, fp32: the same tokens as transformers
+    assert result["mrv2"]["output_tok_s"] > 0 and result["hf"]["output_tok_s"] > 0
+
+
+def test_bench_throughput_compare_llama_cpp_with_plot(tmp_path: Path):
+    """llama.cpp on the same GGUF when llama-cpp-python is installed; a clear skip message otherwise."""
+    from mrv2.bench import llama_cpp
+
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    r = run("bench", "throughput", "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "6", "--compare",
+            "llama.cpp", "--json", str(out), "--plot", str(png), "--max-model-len", "256", exact=False)
+    assert r.returncode == 0, r.stderr
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"1", "3"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if llama_cpp.available():
+        for b, res in results.items():
+            assert res["llama.cpp"]["output_tok_s"] > 0 and 0 <= res["llama.cpp"]["identical_completions"] <= int(b)
+        assert "mrv2/llama.cpp" in r.stdout
+    else:
+        assert llama_cpp.MISSING in r.stdout
+        assert all(set(res) == {"mrv2"} for res in results.values())
+
+
+@pytest.mark.parametrize("compare, problem", [("vllm", "unknown engine 'vllm'"),
+                                              ("async,hf", "does not combine")])
+def test_bench_throughput_rejects_bad_compare(compare, problem):
+    r = run("bench", "throughput", "--num-prompts", "1", "--compare", compare)
+    assert r.returncode != 0 and problem in r.stderr
 
 
 def test_bench_throughput_compares_async_on_and_off(tmp_path: Path):
@@ -108,7 +135,7 @@ def test_bench_throughput_compares_async_on_and_off(tmp_path: Path):
     r = run("bench", "throughput", "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "6", "--compare",
             "async", "--repeat", "2", "--json", str(out), "--max-model-len", "256", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text())["results"]
     assert set(result) == {"1", "3"}
     for b, res in result.items():
         assert res["identical_completions"] == int(b)
