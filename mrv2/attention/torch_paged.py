@@ -1,7 +1,8 @@
 """Paged attention in plain torch ops: the portable reference backend (every platform's "gqa" default).
 
 Per step, requests form two groups, each served by one SDPA call per layer:
-- decodes (query length 1), keys padded to the longest decode context;
+- decodes (query length 1), keys padded to the longest decode context, the query
+  heads of each KV head grouped as that head's queries;
 - prefills (chunks, possibly after a cached prefix), queries padded to the longest
   chunk, with a causal mask offset by each request's prefix.
 Keys and values are gathered a whole block at a time (`index_select` over the
@@ -117,8 +118,11 @@ class TorchPagedAttention(AttentionBackend):
         if metadata.decode is not None:
             g = metadata.decode
             k, v = self._gather(cache, g)
-            o = self._sdpa(query[:g.num_rows].unsqueeze(2), k, v, g.mask, scale)
-            out[:g.num_rows] = o.squeeze(2)
+            # The query heads sharing a KV head attend as that head's "query positions": no
+            # repeated K/V (SDPA's enable_gqa measured 5x slower for one query per request).
+            q = query[:g.num_rows].unflatten(1, (k.shape[1], -1))
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+            out[:g.num_rows] = o.flatten(1, 2)
         if metadata.prefill is not None:
             g = metadata.prefill
             k, v = self._gather(cache, g)
