@@ -184,24 +184,59 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--json", default=None, help="also write the result to this JSON file")
     add_engine_args(ppl)
     ppl.set_defaults(func=cmd_perplexity)
+    agr = ev_sub.add_parser("agreement", help="greedy agreement with the same model in float32 on prompts from a text")
+    agr.add_argument("--file", required=True, help="a UTF-8 text file; prompts are windows of its tokens")
+    agr.add_argument("--num-prompts", type=int, default=16)
+    agr.add_argument("--prompt-len", type=int, default=24)
+    agr.add_argument("--max-tokens", type=int, default=32, help="greedy tokens generated per prompt")
+    agr.add_argument("--json", default=None, help="also write the result to this JSON file")
+    add_engine_args(agr)
+    agr.set_defaults(func=cmd_agreement)
     return parser
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--file {path}: {e.strerror}") from None
 
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
     from mrv2 import LLM
     from mrv2.eval import perplexity
 
-    try:
-        with open(args.file, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ValueError(f"--file {args.file}: {e.strerror}") from None
+    text = _read_text(args.file)
     llm = LLM(**engine_kwargs(args))
     result = perplexity(llm, text, args.window, args.stride)
     record = {"file": args.file, "dtype": str(llm.engine.dtype).removeprefix("torch."), "tokens": result.num_tokens,
               "nll": result.nll, "perplexity": result.perplexity}
     print(f"{args.file}: {result.num_tokens} tokens scored, {record['dtype']}, nll {result.nll:.4f} nats/token, "
           f"perplexity {result.perplexity:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+    return 0
+
+
+def cmd_agreement(args: argparse.Namespace) -> int:
+    from mrv2 import LLM
+    from mrv2.eval import greedy_agreement
+
+    text = _read_text(args.file)
+    kwargs = engine_kwargs(args)
+    llm = LLM(**kwargs)
+    reference = LLM(**kwargs | {"dtype": "float32", "quantization": None})
+    r = greedy_agreement(llm, reference, text, args.num_prompts, args.prompt_len, args.max_tokens)
+    quantization = llm.engine.config.model.quantization or "none"
+    record = {"file": args.file, "dtype": str(llm.engine.dtype).removeprefix("torch."), "quantization": quantization,
+              "reference": "float32, quantization none", "prompts": r.num_prompts, "max_tokens": r.max_tokens,
+              "identical": r.identical, "prefix_share": r.prefix_share}
+    print(f"{args.file}: {record['dtype']} (quantization {quantization}) against float32 (quantization none), "
+          f"{r.num_prompts} prompts x {r.max_tokens} greedy tokens: identical completions {r.identical}/"
+          f"{r.num_prompts} ({100 * r.identical_share:.0f}%), mean share before the first difference "
+          f"{100 * r.prefix_share:.1f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)
