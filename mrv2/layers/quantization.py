@@ -1,4 +1,4 @@
-"""Weight-only quantized matmuls for GGUF block formats (Q4_0, Q4_1, Q8_0) on torch's int4 CPU kernel.
+"""Weight-only quantized matmuls for GGUF block formats (Q4_0, Q4_1, Q4_K, Q8_0) on torch's int4 CPU kernel.
 
 `QuantizedWeight` holds a weight as GGUF stores it: integer codes and one scale (and,
 for Q4_1, one min) per block of 32 weights along the input dimension. `Int4Matmul`
@@ -7,6 +7,9 @@ as `(q - 8) * scale + zero`:
 
 - Q4_0, `d * (q - 8)`: scale d, zero 0;
 - Q4_1, `d * q + m`: scale d, zero m + 8d;
+- Q4_K, super-blocks of 256 whose eight 32-weight sub-blocks dequantize as
+  `(d * sc) * q - dmin * m` (6-bit sc and m): held as Q4_1 is, with scale d * sc and min
+  -dmin * m per 32 weights (fp32: a half times a 6-bit integer is exact there);
 - Q8_0, `d * q` with q in [-127, 127]: q = 16 * hi + lo (hi in [-8, 7], lo in [0, 15]),
   two int4 matmuls, one with codes hi + 8 and scale 16d, one with codes lo, scale d and
   zero 8d, summed. Same bytes as int8, and exact, unlike a per-channel int8 requantization.
@@ -22,13 +25,14 @@ from dataclasses import dataclass
 import torch
 
 GGUF_BLOCK = 32
-QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+WITH_MINS = ("Q4_1", "Q4_K")  # types whose 32-weight groups have a min as well as a scale
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A [N, K] weight in GGUF blocks: `codes` [N, K] (uint8 0..15 for Q4, int8 for Q8_0),
-    `scales` and `mins` (Q4_1 only) [N, K / 32]."""
+    `scales` and `mins` (Q4_1 and Q4_K only) [N, K / 32]."""
 
     qtype: str
     codes: torch.Tensor
@@ -42,8 +46,8 @@ class QuantizedWeight:
         if k % GGUF_BLOCK or tuple(self.scales.shape) != (n, k // GGUF_BLOCK):
             raise ValueError(f"{self.qtype} codes {tuple(self.codes.shape)} need scales of shape "
                              f"({n}, {k // GGUF_BLOCK}), got {tuple(self.scales.shape)}")
-        if (self.mins is not None) != (self.qtype == "Q4_1"):
-            raise ValueError(f"{self.qtype} {'needs' if self.qtype == 'Q4_1' else 'has no'} mins")
+        if (self.mins is not None) != (self.qtype in WITH_MINS):
+            raise ValueError(f"{self.qtype} {'needs' if self.qtype in WITH_MINS else 'has no'} mins")
 
     @property
     def shape(self) -> torch.Size:
@@ -88,7 +92,7 @@ class Int4Matmul:
             c = weight.codes.int()
             packs = [(torch.div(c, 16, rounding_mode="floor") + 8, 16 * d, torch.zeros_like(d)),
                      (c & 15, d, 8 * d)]
-        elif weight.qtype == "Q4_1":
+        elif weight.qtype in WITH_MINS:
             packs = [(weight.codes.int(), d, weight.mins.float() + 8 * d)]
         else:
             packs = [(weight.codes.int(), d, torch.zeros_like(d))]

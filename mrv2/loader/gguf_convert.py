@@ -103,6 +103,9 @@ def ensure_quantized_weights(gguf_path: str | os.PathLike, folder: str | os.Path
     try:
         write_quantized_weights(_entries(reader, gguf_path), Path(tmp), _row_permutation(config, arch))
         os.replace(tmp, folder / QUANT_FILE)
+        for stale in (folder / QUANT_FILE).parent.glob("gguf_blocks*.safetensors"):  # an older version's
+            if stale.name != Path(QUANT_FILE).name:
+                stale.unlink()
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -1,17 +1,18 @@
 """The quantized weights of a GGUF file, kept quantized, beside its converted HF checkpoint.
 
 `convert_gguf_to_hf` writes dequantized fp32 weights (the exact reference). This module
-also keeps each Q4_0, Q4_1 and Q8_0 tensor's codes and block scales, under its HF
-name, in `QUANT_FILE` of the same folder:
+also keeps each Q4_0, Q4_1, Q4_K and Q8_0 tensor's codes and block scales, under its
+HF name, in `QUANT_FILE` of the same folder:
 
     <name>.codes   Q4: uint8 [N, K/2], element 2i in the low nibble, 2i+1 in the high;
                    Q8_0: int8 [N, K]
-    <name>.scales  float16 [N, K/32] (the blocks' d)
-    <name>.mins    float16 [N, K/32] (Q4_1's m)
+    <name>.scales  [N, K/32]: float16 d (Q4_0, Q4_1, Q8_0); float32 d * sc (Q4_K)
+    <name>.mins    [N, K/32]: float16 m (Q4_1); float32 -dmin * m (Q4_K)
 
 with each name's GGUF type in the file's metadata. Dequantized: Q4_0 d * (q - 8),
-Q4_1 d * q + m, Q8_0 d * q, exactly what `gguf.quants.dequantize` computes. Other
-GGUF types are not listed: they load from the fp32 weights.
+Q4_1 and Q4_K scale * q + min, Q8_0 d * q, exactly what `gguf.quants.dequantize`
+computes. Other GGUF types (Q6_K, Q5_K, ...) are not listed: they load from the fp32
+weights.
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from mrv2.layers.quantization import GGUF_BLOCK, QuantizedWeight
+from mrv2.layers.quantization import QuantizedWeight
 from mrv2.loader.cache import QUANT_FILE
 
-# GGUF type name -> bytes per block of 32 weights
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# GGUF type name -> (weights, bytes) per block
+_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
 
 
 def decode_blocks(qtype: str, raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
     """Codes and scales of a GGUF tensor's raw blocks (uint8, `rows` x `cols` weights)."""
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // GGUF_BLOCK, _BLOCK_BYTES[qtype])
+    size, nbytes = _BLOCKS[qtype]
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // size, nbytes)
+    if qtype == "Q4_K":
+        return _decode_q4_k(blocks, rows, cols)
     out = {"scales": blocks[..., 0:2].copy().view(np.float16)[..., 0]}
     if qtype == "Q8_0":
         out["codes"] = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
@@ -40,9 +44,28 @@ def decode_blocks(qtype: str, raw: np.ndarray, rows: int, cols: int) -> dict[str
     if qtype == "Q4_1":
         out["mins"] = blocks[..., 2:4].copy().view(np.float16)[..., 0]
     qs = blocks[..., -16:]  # byte j: element j (low nibble) and element j + 16 (high nibble)
-    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(rows, cols)
-    out["codes"] = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+    out["codes"] = _pack_nibbles(np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(rows, cols))
     return out
+
+
+def _decode_q4_k(blocks: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """Q4_K super-blocks: d, dmin (f16), 12 bytes of 6-bit sub-block scales and mins, 128 bytes of codes."""
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    packed = blocks[..., 4:16].reshape(rows, -1, 3, 4)  # the layout gguf.quants.Q4_K.get_scale_min reads
+    a, b, c = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)  # [rows, nb, 8]
+    m = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+    # 32 bytes per pair of sub-blocks: the first in the low nibbles, the second in the high.
+    qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    return {"codes": _pack_nibbles((qs & 0xF).reshape(rows, cols)),
+            "scales": (d * sc.astype(np.float32)).reshape(rows, -1),
+            "mins": -(dmin * m.astype(np.float32)).reshape(rows, -1)}
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Codes 0..15 [N, K] -> uint8 [N, K/2], element 2i in the low nibble."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
 
 
 def write_quantized_weights(tensors: list[tuple[str, tuple[int, ...], Any]], out: Path,
@@ -54,13 +77,15 @@ def write_quantized_weights(tensors: list[tuple[str, tuple[int, ...], Any]], out
     types: dict[str, str] = {}
     for name, shape, tensor in tensors:
         qtype = tensor.tensor_type.name
-        if qtype not in _BLOCK_BYTES or len(shape) != 2 or shape[1] % GGUF_BLOCK:
+        if qtype not in _BLOCKS or len(shape) != 2 or shape[1] % _BLOCKS[qtype][0]:
             continue
         parts = decode_blocks(qtype, tensor.data, *shape)
         for part, array in parts.items():
             arrays[f"{name}.{part}"] = np.ascontiguousarray(row_permutation(name, array))
         types[name] = qtype
-    save_file(arrays, str(out), metadata=types)
+    # No metadata rather than an empty one: safetensors writes an unreadable header for
+    # no tensors with empty metadata (a GGUF of F32/F16 tensors only keeps nothing).
+    save_file(arrays, str(out), metadata=types or None)
 
 
 def stored_weight(qtype: str, parts: Mapping[str, torch.Tensor]) -> QuantizedWeight:

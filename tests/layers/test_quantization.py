@@ -13,14 +13,18 @@ from mrv2.config import QuantPolicy
 from mrv2.layers.linear import Linear
 from mrv2.layers.quantization import Int4Matmul, QuantizedWeight
 from mrv2.loader.gguf_quant import decode_blocks, stored_weight
+from quant_helpers import random_q4_k
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q8_0"]
 
 
 def quantized(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, np.ndarray]:
-    """A random [n, k] weight quantized by `gguf` and its reference dequantization."""
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    raw = quantize(w, GGMLQuantizationType[qtype])
+    """A random [n, k] weight quantized by `gguf` (Q4_K: random blocks) and its reference dequantization."""
+    rng = np.random.default_rng(seed)
+    if qtype == "Q4_K":
+        raw = random_q4_k(n, k, rng)
+    else:
+        raw = quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[qtype])
     ref = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)
     parts = {p: torch.from_numpy(a) for p, a in decode_blocks(qtype, raw, n, k).items()}
     return stored_weight(qtype, parts), ref
@@ -28,7 +32,7 @@ def quantized(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeigh
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_decoded_blocks_dequantize_exactly_as_gguf(qtype):
-    weight, ref = quantized(qtype, 48, 96)
+    weight, ref = quantized(qtype, 48, 256 if qtype == "Q4_K" else 96)
     assert torch.equal(weight.dequantize(torch.float32), torch.from_numpy(ref))
     rows = torch.tensor([5, 0, 47])
     assert torch.equal(weight.dequantize(torch.float32, rows=rows), torch.from_numpy(ref)[rows])
@@ -37,8 +41,8 @@ def test_decoded_blocks_dequantize_exactly_as_gguf(qtype):
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("rows", [1, 3, 64])
 def test_int4_matmul_equals_the_dequantized_weight(qtype, rows):
-    weight, ref = quantized(qtype, 64, 128, seed=1)
-    x = torch.randn(rows, 128, dtype=torch.bfloat16)
+    weight, ref = quantized(qtype, 64, 512, seed=1)
+    x = torch.randn(rows, 512, dtype=torch.bfloat16)
     got = Int4Matmul(weight, torch.bfloat16)(x).float()
     want = x.float() @ torch.from_numpy(ref).t()
     # bf16 inputs, scales and outputs: within a few bf16 ulps of the output's scale.
@@ -77,7 +81,8 @@ def test_bad_quantized_weights_are_refused():
         QuantizedWeight("Q5_K", w.codes, w.scales)
     with pytest.raises(ValueError, match="scales of shape"):
         QuantizedWeight("Q4_0", w.codes, w.scales[:, :1])
-    with pytest.raises(ValueError, match="needs mins"):
-        QuantizedWeight("Q4_1", w.codes, w.scales)
+    for qtype in ("Q4_1", "Q4_K"):
+        with pytest.raises(ValueError, match="needs mins"):
+            QuantizedWeight(qtype, w.codes, w.scales)
     with pytest.raises(ValueError, match="different types"):
         QuantizedWeight.cat([w, quantized("Q8_0", 16, 64)[0]])

@@ -56,3 +56,18 @@ def test_uses_folder_another_process_finished(tmp_cache, tmp_path, tiny_gguf, mo
     folder = converted_checkpoint(tmp_path / "m.gguf")
     assert (folder / "config.json").is_file()
     assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
+
+
+def test_folder_with_an_older_quantized_file_gets_the_current_one(tmp_cache, tmp_path, tiny_gguf):
+    from mrv2.loader.cache import QUANT_FILE
+    from mrv2.loader.gguf_quant import quantized_names
+
+    tiny_gguf(tmp_path / "m.gguf")
+    folder = converted_checkpoint(tmp_path / "m.gguf")
+    current = folder / QUANT_FILE
+    names = quantized_names(folder)
+    assert names  # the tiny GGUF has Q8_0 tensors
+    stale = current.parent / "gguf_blocks.safetensors"  # what version 1 wrote
+    current.rename(stale)
+    assert converted_checkpoint(tmp_path / "m.gguf") == folder
+    assert current.is_file() and not stale.exists() and quantized_names(folder) == names
