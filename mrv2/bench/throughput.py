@@ -9,9 +9,10 @@ Prompts are random token ids of a fixed length (seeded), generation is greedy wi
   with the same threads (`llama-cpp-python`, the optional `llama` extra; skipped with a
   message when it is not installed), in the same process; a table of output tok/s and
   mrv2's ratio over each engine per batch size, and with `--plot` a PNG of the same.
-- `--compare async`: two engines, async scheduling on and off, timed in turn (the
-  order alternates every repeat) on each workload; the ratio is the median of the
-  per-pair ratios. Each side also reports the share of wall time its host thread
+- `--compare async`: two engines, async scheduling on and off, each in a process of
+  its own (in one process their thread pools would contend for the cores), timed in
+  turn (the order alternates every repeat) on each workload; the ratio is the median
+  of the per-pair ratios. Each side also reports the share of wall time its host thread
   spent waiting for the device (serially on the CPU that is all device work; with
   async scheduling only the time blocked on sampled ids).
 """
@@ -73,74 +74,69 @@ def _batch_sizes(args: argparse.Namespace) -> list[int]:
     return sizes
 
 
-def _timed_generate(llm, inputs, params) -> tuple[float, float, list]:
-    """(seconds, host wait share, outputs) of one generate call."""
-    timing = llm.engine.runner.timing
-    timing.reset()
-    t0 = time.perf_counter()
-    outputs = llm.generate(inputs, params)
-    seconds = time.perf_counter() - t0
-    return seconds, timing.wait_share(seconds), outputs
-
-
 def run(args: argparse.Namespace) -> int:
-    from mrv2 import LLM, SamplingParams
-    from mrv2.bench import report
+    from mrv2 import LLM
+    from mrv2.bench.engines import IsolatedEngine, LocalEngine
     from mrv2.engine.arg_utils import engine_kwargs
 
     sizes = _batch_sizes(args)
     compare = _compared(args)
     kwargs = engine_kwargs(args)
     if compare == ["async"]:
-        engines = {"async": LLM(**kwargs | {"async_scheduling": True}),
-                   "serial": LLM(**kwargs | {"async_scheduling": False})}
+        engines = {"async": IsolatedEngine(kwargs | {"async_scheduling": True}),
+                   "serial": IsolatedEngine(kwargs | {"async_scheduling": False})}
     else:
-        engines = {"mrv2": LLM(**kwargs)}
-    first = next(iter(engines.values()))
-    engine = first.engine
-    tokenizer = first.get_tokenizer()
-    threads = engine.platform.compute_threads()
-    peers = {"hf": HfPeer(engine.model_path, threads) if "hf" in compare else None,
+        engines = {"mrv2": LocalEngine(LLM(**kwargs))}
+    try:
+        return _measure(args, sizes, compare, engines)
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def _measure(args: argparse.Namespace, sizes: list[int], compare: list[str], engines: dict) -> int:
+    """Time `engines` (and the peers of `compare`) on each batch size; print, and write JSON / plot."""
+    from mrv2 import SamplingParams
+    from mrv2.bench import report
+
+    info = next(iter(engines.values())).info
+    threads = info.threads
+    peers = {"hf": HfPeer(info.model_path, threads) if "hf" in compare else None,
              "llama.cpp": _llama_cpp_peer(args, threads) if "llama.cpp" in compare else None}
     peers = {name: peer for name, peer in peers.items() if peer is not None}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     workload = (f"batch {', '.join(map(str, sizes))} x {args.input_len} input tokens -> {args.output_len} "
-                f"output tokens, greedy, {engine.dtype}, {threads} threads, device {engine.platform.name}, "
+                f"output tokens, greedy, {info.dtype}, {threads} threads, device {info.device}, "
                 f"median of {args.repeat}")
     print(f"workload: {workload}")
 
     results: dict[str, dict] = {}
     for b in sizes:
-        prompts = _prompts(engine.runner.model.config.vocab_size, set(tokenizer.all_special_ids), b,
-                           args.input_len, args.seed)
-        inputs = [{"prompt_token_ids": p} for p in prompts]
+        prompts = _prompts(info.vocab_size, info.special_ids, b, args.input_len, args.seed)
         total_out = b * args.output_len
-        for llm in engines.values():  # warm-up
-            llm.generate(inputs[: min(4, b)], SamplingParams(temperature=0.0, max_tokens=4))
-        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
-        outputs = {}
+        for engine in engines.values():  # warm-up
+            engine.timed_generate(prompts[: min(4, b)], SamplingParams(temperature=0.0, max_tokens=4))
+        runs = {name: [] for name in engines}
         for rep in range(args.repeat):
             order = list(engines) if rep % 2 == 0 else list(reversed(engines))
             for name in order:
-                seconds, wait, outputs[name] = _timed_generate(engines[name], inputs, params)
-                runs[name].append((seconds, wait))
+                runs[name].append(engines[name].timed_generate(prompts, params))
         result: dict = {}
         for name, samples in runs.items():
-            t = float(np.median([s for s, _ in samples]))
+            t = float(np.median([r.seconds for r in samples]))
             result[name] = {"seconds": t, "output_tok_s": total_out / t,
-                            "host_wait_share": float(np.median([w for _, w in samples])),
-                            "async_scheduling": engines[name].engine.config.async_scheduling}
+                            "host_wait_share": float(np.median([r.host_wait_share for r in samples])),
+                            "async_scheduling": engines[name].info.async_scheduling}
             print(f"batch {b:3d} {name:9s}: {total_out / t:8.1f} output tok/s  total {t:6.2f} s  "
                   f"host waits for the device {100 * result[name]['host_wait_share']:5.1f}% of the time")
         if compare == ["async"]:
-            ratio = float(np.median([s / a for (a, _), (s, _) in zip(runs["async"], runs["serial"])]))
-            same = sum(x.outputs[0].token_ids == y.outputs[0].token_ids
-                       for x, y in zip(outputs["async"], outputs["serial"]))
+            ratio = float(np.median([s.seconds / a.seconds for a, s in zip(runs["async"], runs["serial"])]))
+            same = sum(x == y for x, y in zip(runs["async"][-1].token_ids, runs["serial"][-1].token_ids))
             result["ratio_async_over_serial"] = ratio
             result["identical_completions"] = same
-            print(f"batch {b:3d} ratio async/serial throughput: {ratio:.3f}x (median of {args.repeat} pairs; "
-                  f"identical greedy completions: {same}/{b})")
-        ours = [o.outputs[0].token_ids for o in outputs["mrv2"]] if "mrv2" in outputs else []
+            print(f"batch {b:3d} ratio async/serial throughput: {ratio:.3f}x (median of {args.repeat} pairs, "
+                  f"each engine in its own process; identical greedy completions: {same}/{b})")
+        ours = runs["mrv2"][-1].token_ids if "mrv2" in runs else []
         for name, peer in peers.items():
             peer_result = result[name] = _time_peer(peer, prompts, args)
             peer_result["identical_completions"] = sum(a == p for a, p in zip(ours, peer_result.pop("outputs")))

@@ -145,6 +145,11 @@ def test_bench_throughput_compares_async_on_and_off(tmp_path: Path):
     assert r.stdout.count("ratio async/serial") == 2
 
 
+def test_bench_throughput_async_engine_process_reports_bad_model():
+    r = run("bench", "throughput", "--num-prompts", "1", "--compare", "async", "--model", "/no/such/model")
+    assert r.returncode != 0 and "model not found: /no/such/model" in r.stderr
+
+
 def test_bench_decode_times_every_mode_side_by_side():
     r = run("bench", "decode", "--batch-sizes", "1,2", "--steps", "2", "--context", "8")
     assert r.returncode == 0, r.stderr

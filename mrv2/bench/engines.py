@@ -1,0 +1,147 @@
+"""The mrv2 engines a benchmark times: in this process, or each in a process of its own.
+
+Two engines in one process share its threads. On the CPU each brings its own OpenMP
+team (an async engine computes on a worker thread, a serial one on the caller's), and
+one team's spinning threads take the cores the other computes on, so neither is timed
+as a user would run it. `IsolatedEngine` runs an engine in a spawned process, driven
+through a pipe; only one runs at a time while the other waits on its pipe, asleep.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import time
+import traceback
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a benchmark reports of an engine and needs to build its workload."""
+
+    model_path: str
+    dtype: str
+    device: str
+    threads: int
+    async_scheduling: bool
+    vocab_size: int
+    special_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class TimedRun:
+    """One timed `generate`: wall seconds, the host's share of them spent waiting for the device, output ids."""
+
+    seconds: float
+    host_wait_share: float
+    token_ids: list[list[int]]
+
+
+class BenchEngine(ABC):
+    """An mrv2 engine a benchmark can describe and time."""
+
+    info: EngineInfo
+
+    @abstractmethod
+    def timed_generate(self, prompts: list[list[int]], params: Any) -> TimedRun:
+        """Generate from token-id prompts with `params` (a `SamplingParams`), timed."""
+
+    def close(self) -> None:
+        """Release the engine."""
+
+
+class LocalEngine(BenchEngine):
+    """An `LLM` in this process."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.info = _info(llm)
+
+    def timed_generate(self, prompts: list[list[int]], params: Any) -> TimedRun:
+        timing = self.llm.engine.runner.timing
+        timing.reset()
+        t0 = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        seconds = time.perf_counter() - t0
+        return TimedRun(seconds, timing.wait_share(seconds), [o.outputs[0].token_ids for o in outputs])
+
+    def close(self) -> None:
+        self.llm.engine.shutdown()
+
+
+class IsolatedEngine(BenchEngine):
+    """An `LLM(**kwargs)` in a spawned process of its own; calls go through a pipe and block."""
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, kwargs), daemon=True, name="mrv2-bench-engine")
+        self._proc.start()
+        child.close()
+        self.info = self._call(None)
+
+    def timed_generate(self, prompts: list[list[int]], params: Any) -> TimedRun:
+        return self._call((prompts, params))
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._conn.send("close")
+            except (BrokenPipeError, OSError):
+                pass
+            self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._conn.close()
+
+    def _call(self, request: Any) -> Any:
+        if request is not None:
+            self._conn.send(request)
+        try:
+            ok, value = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the benchmark's engine process exited (code {self._proc.exitcode})") from None
+        if not ok:
+            raise value
+        return value
+
+
+def _info(llm: Any) -> EngineInfo:
+    engine = llm.engine
+    return EngineInfo(model_path=str(engine.model_path), dtype=str(engine.dtype), device=engine.platform.name,
+                      threads=engine.platform.compute_threads(), async_scheduling=engine.config.async_scheduling,
+                      vocab_size=engine.runner.model.config.vocab_size,
+                      special_ids=frozenset(llm.get_tokenizer().all_special_ids))
+
+
+def _serve(conn: Any, kwargs: dict[str, Any]) -> None:
+    """The engine process: answer `(ok, value)` to each request until "close" or the pipe closes."""
+    from mrv2 import LLM
+
+    def answer(fn):
+        try:
+            conn.send((True, fn()))
+        except Exception as e:  # the parent re-raises it: bad arguments must read as they would in-process
+            try:
+                pickle.dumps(e)
+            except Exception:
+                e = RuntimeError("".join(traceback.format_exception_only(e)).strip())
+            conn.send((False, e))
+            return False
+        return True
+
+    engine: list[LocalEngine] = []
+    if not answer(lambda: engine.append(LocalEngine(LLM(**kwargs))) or engine[0].info):
+        return
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            break
+        if request == "close":
+            break
+        answer(lambda: engine[0].timed_generate(*request))
+    engine[0].close()
