@@ -130,9 +130,11 @@ def _measure(args: argparse.Namespace, sizes: list[int], compare: list[str], eng
             print(f"batch {b:3d} {name:9s}: {total_out / t:8.1f} output tok/s  total {t:6.2f} s  "
                   f"host waits for the device {100 * result[name]['host_wait_share']:5.1f}% of the time")
         if compare == ["async"]:
-            ratio = float(np.median([s.seconds / a.seconds for a, s in zip(runs["async"], runs["serial"])]))
+            pair_ratios = [s.seconds / a.seconds for a, s in zip(runs["async"], runs["serial"])]
+            ratio = float(np.median(pair_ratios))
             same = sum(x == y for x, y in zip(runs["async"][-1].token_ids, runs["serial"][-1].token_ids))
             result["ratio_async_over_serial"] = ratio
+            result["pair_ratios"] = pair_ratios
             result["identical_completions"] = same
             print(f"batch {b:3d} ratio async/serial throughput: {ratio:.3f}x (median of {args.repeat} pairs, "
                   f"each engine in its own process; identical greedy completions: {same}/{b})")

@@ -243,12 +243,13 @@ class ModelRunner:
                 return HostCopy.start(torch.cat([num_emitted[:, None].long(), tokens], dim=1), host, event)
 
         plan = pending.plan
-        on_drafts = None
-        if plan.max_drafts:  # the host mirror counted every draft: take the rejected ones back out
-            def on_drafts(num_emitted: np.ndarray) -> None:
-                self.states.reject_host(plan.idx_cpu, plan.num_drafts_cpu + 1 - num_emitted)
 
-        return AsyncRunnerOutput(plan.req_ids, self._launch(sample), self.timing, on_drafts)
+        def reject_drafts(num_emitted: np.ndarray) -> None:
+            # The host mirror counted every draft: take the rejected ones back out.
+            self.states.reject_host(plan.idx_cpu, plan.num_drafts_cpu + 1 - num_emitted)
+
+        return AsyncRunnerOutput(plan.req_ids, self._launch(sample), self.timing,
+                                 reject_drafts if plan.max_drafts else None)
 
     def _launch(self, work: Callable[[], T]) -> Pending[T]:
         if not self.queue.synchronous:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from mrv2.sample.min_tokens import MinTokensMetadata
-from mrv2.sampling_params import GREEDY_EPS, is_greedy
+from mrv2.sampling_params import is_greedy
 
 
 @dataclass
