@@ -13,15 +13,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from mrv2.config import QuantPolicy
+from mrv2.layers.packed import pack_weight, packed_linear
 from mrv2.layers.quantization import Int4Matmul, QuantizedWeight, int4_kernel_supports
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). `shard_sizes` names the row blocks of a fused weight."""
+    """y = x W^T (+ b). `shard_sizes` names the row blocks of a fused weight.
 
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype) -> None:
+    `packable=False` keeps the weight a plain tensor for layers whose weight is also
+    read outside `forward` (MLA's absorbed kv_b_proj).
+    """
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 packable: bool = True) -> None:
         super().__init__()
         self.shard_sizes = shard_sizes
+        self.packable = packable
+        self.packed: torch.Tensor | None = None  # the dense weight in oneDNN's layout (`pack`)
         out_features = sum(shard_sizes)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
@@ -30,10 +38,21 @@ class Linear(nn.Module):
         self.int4_max_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and (self.weight is None or x.numel() <= self.int4_max_rows * x.shape[-1]):
+        dense = self.weight is not None or self.packed is not None
+        if self.int4 is not None and (not dense or x.numel() <= self.int4_max_rows * x.shape[-1]):
             y = self.int4(x)
             return y if self.bias is None else y.add_(self.bias)
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def pack(self, rows_hint: int) -> bool:
+        """Replace the dense bf16 weight by its oneDNN-packed form; False where there is none to pack."""
+        if not self.packable or self.weight is None or self.weight.dtype != torch.bfloat16:
+            return False
+        self.packed = pack_weight(self.weight, rows_hint)
+        self.weight = None
+        return True
 
     def load_shard(self, param: nn.Parameter, shard: int, value: torch.Tensor | QuantizedWeight) -> None:
         start = sum(self.shard_sizes[:shard])

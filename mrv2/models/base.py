@@ -26,6 +26,7 @@ from mrv2.kv_spec import KVCacheSpec
 from mrv2.layers.embedding import VocabEmbedding
 from mrv2.layers.linear import Linear
 from mrv2.layers.norm import RMSNorm
+from mrv2.layers.packed import packing_available
 from mrv2.layers.quantization import Int4Matmul, QuantizedWeight, int4_kernel_supports
 from mrv2.models.weights import load_hf_weights
 
@@ -186,6 +187,12 @@ class CausalLM(nn.Module):
                              f"the model expects {tuple(self.lm_head_weight.shape)}")
         self._lm_head_quantized = value
         return True
+
+    def pack_linear_weights(self, rows_hint: int) -> int:
+        """Prepack every packable dense linear weight for oneDNN (`layers/packed.py`); how many were."""
+        if not packing_available():
+            return 0
+        return sum(m.pack(rows_hint) for m in self.modules() if isinstance(m, Linear))
 
     def finalize_quantization(self, policy: QuantPolicy) -> str | None:
         """Place the weights that loaded quantized: int4 kernels for batches up to `policy.int4_max_rows`

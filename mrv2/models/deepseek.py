@@ -89,7 +89,8 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, [cfg.kv_lora_rank + cfg.qk_rope_head_dim],
                                          cfg.attention_bias, dtype)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, [h * (cfg.qk_nope_head_dim + cfg.v_head_dim)], False, dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, [h * (cfg.qk_nope_head_dim + cfg.v_head_dim)], False, dtype,
+                                packable=False)  # `attend` reads its weight
         self.o_proj = Linear(h * cfg.v_head_dim, [cfg.hidden_size], cfg.attention_bias, dtype)
         self.rotary = rotary
         self.scale = yarn_softmax_scale(cfg.rope, qk_dim)

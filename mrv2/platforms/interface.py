@@ -75,6 +75,11 @@ class Platform(ABC):
         """
         return QuantPolicy(), f"{self.name} has no weight-only quantized kernels in mrv2"
 
+    def linear_pack_rows(self, dtype: torch.dtype, graph: GraphConfig | None) -> int | None:
+        """Rows to pack dense linear weights for (`layers/packed.py`) at `dtype` with graph settings
+        `graph` (None: eager), or None to keep plain weights (the base platform: no packed kernels)."""
+        return None
+
     def half_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The half-precision dtype "auto" picks: the checkpoint's own if it is one, else bf16."""
         return checkpoint_dtype if checkpoint_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16

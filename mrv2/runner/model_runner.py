@@ -65,6 +65,12 @@ class ModelRunner:
         self.model.load_weights(weights)
         if quant_policy is not None and (placed := self.model.finalize_quantization(quant_policy)):
             logger.info("Quantized weights: %s", placed)
+        graph_config = config.graph or platform.default_graph_config()
+        graphs_on = not config.enforce_eager and graph_config.mode is not GraphMode.NONE
+        if (rows := platform.linear_pack_rows(dtype, graph_config if graphs_on else None)) is not None:
+            if packed := self.model.pack_linear_weights(rows):
+                logger.info("Dense weights of %d linear layers prepacked for oneDNN (batches of ~%d rows)",
+                            packed, rows)
         self.model.eval()
 
         max_blocks = -(-self.max_model_len // self.block_size)
@@ -75,8 +81,7 @@ class ModelRunner:
         self.inputs = InputBuffers(self.max_num_reqs, self.max_num_tokens, max_blocks, self.device, pin)
         self.sampler = Sampler(platform.sampling_chunk_elems)
         self.graphs: ModelGraphs | None = None
-        graph_config = config.graph or platform.default_graph_config()
-        if not config.enforce_eager and graph_config.mode is not GraphMode.NONE:
+        if graphs_on:
             self.graphs = ModelGraphs(graph_config, platform.graph_backend, self.model, self.attn_backend,
                                       self.inputs, self.max_num_reqs, self.max_num_tokens, self.max_model_len,
                                       self.block_size)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mrv2.config import GraphConfig, GraphMode
 from mrv2.platforms import CpuPlatform
 
 
@@ -51,3 +52,17 @@ def test_quantized_kernels_follow_cpu_flags_and_dtype(flags, dtype, quantization
     policy, why = CpuPlatform(frozenset(flags)).quant_policy(dtype, quantization)
     assert policy.uses_int4 == int4 and (policy.dense_budget > 0) == dense
     assert why
+
+
+@pytest.mark.parametrize("flags,dtype,graph,packs", [
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, torch.bfloat16, None, True),  # Sapphire Rapids, eager
+    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, GraphConfig(mode=GraphMode.FULL), True),  # Zen 4
+    ({"avx2", "avx512f", "avx512_bf16"}, torch.float32, None, False),  # the exact reference mode
+    ({"avx2", "fma"}, torch.bfloat16, None, False),  # Zen 3: no native bf16 kernels to pack for
+    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, GraphConfig(mode=GraphMode.PIECEWISE), False),  # compiled
+    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16,
+     GraphConfig(mode=GraphMode.PIECEWISE, compile=False), True),  # piecewise, uncompiled
+])
+def test_linear_packing_follows_cpu_flags_dtype_and_compilation(flags, dtype, graph, packs):
+    rows = CpuPlatform(frozenset(flags)).linear_pack_rows(dtype, graph)
+    assert (rows is not None) == packs and (rows is None or rows > 0)

@@ -1,0 +1,72 @@
+"""Dense bf16 weights prepacked for oneDNN give F.linear's results, and the model packs only what it may."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mrv2 import LLM, SamplingParams
+from mrv2.config import QuantPolicy
+from mrv2.layers.linear import Linear
+from mrv2.layers.packed import packing_available
+from mrv2.platforms import CpuPlatform
+from test_quantization import quantized
+
+pytestmark = pytest.mark.skipif(not (packing_available() and CpuPlatform().supports_native_bf16()),
+                                reason="packed bf16 kernels need oneDNN and a CPU with native bf16")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_packed_linear_equals_f_linear(rows, bias):
+    torch.manual_seed(0)
+    layer = Linear(96, [80, 48], bias, torch.bfloat16)
+    layer.weight.data.normal_()
+    if bias:
+        layer.bias.data.normal_()
+    weight, b = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()
+    x = torch.randn(2 * rows, 96, dtype=torch.bfloat16)[::2]  # strided rows, as slices of a batch are
+    assert layer.pack(64) and layer.weight is None and layer.packed is not None
+    torch.testing.assert_close(layer(x).float(), F.linear(x, weight, b).float(), atol=1e-2, rtol=1e-2)
+
+
+def test_fp32_and_unpackable_weights_stay_plain():
+    fp32 = Linear(32, [16], False, torch.float32)
+    assert not fp32.pack(64) and fp32.weight is not None
+    kept = Linear(32, [16], False, torch.bfloat16, packable=False)
+    assert not kept.pack(64) and kept.weight is not None
+
+
+def test_int4_below_the_threshold_and_the_packed_dense_copy_above():
+    weight, _ = quantized("Q4_0", 64, 128)
+    layer = Linear(128, [64], False, torch.bfloat16)
+    layer.load_shard(layer.weight, 0, weight)
+    layer.finalize_quantization(QuantPolicy(int4_max_rows=8), keep_dense=True)
+    dense = layer.weight.detach().clone()
+    assert layer.pack(64)
+    x = torch.randn(16, 128, dtype=torch.bfloat16)
+    assert torch.equal(layer(x[:8]), layer.int4(x[:8]))
+    torch.testing.assert_close(layer(x).float(), F.linear(x, dense).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_bf16_engine_packs_its_linears_and_matches_plain_weights(tiny_checkpoint, arch):
+    path, _ = tiny_checkpoint(arch, False)
+    kwargs = dict(model=str(path), dtype="bfloat16", kv_cache_memory=1 << 22, enforce_eager=True)
+    packed = LLM(**kwargs)
+    linears = [m for m in packed.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert any(m.packed is not None for m in linears)
+    assert all(m.weight is not None for m in linears if not m.packable)  # MLA's kv_b_proj
+    # The same weights unpacked, through F.linear: the same greedy tokens.
+    plain = LLM(**kwargs)
+    for m in plain.engine.runner.model.modules():
+        if isinstance(m, Linear) and m.packed is not None:
+            m.weight, m.packed = torch.nn.Parameter(m.packed.to_dense(), requires_grad=False), None
+    prompts = [{"prompt_token_ids": [3, 17, 99, 4, 250]}, {"prompt_token_ids": [8, 9, 10]}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out_packed = [o.outputs[0].token_ids for o in packed.generate(prompts, params)]
+    out_plain = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert out_packed == out_plain
+    for llm in (packed, plain):
+        llm.engine.shutdown()
