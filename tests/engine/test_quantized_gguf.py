@@ -38,9 +38,10 @@ def _linears(llm):
 
 def test_quantization_modes_place_weights_as_asked(engines):
     model = engines["gguf"].engine.runner.model
-    assert all(m.int4 is not None and m.weight is None for m in _linears(engines["gguf"]))
+    assert all(m.int4 is not None and m.weight is None and m.packed is None for m in _linears(engines["gguf"]))
     assert model.lm_head_int4 is not None and model.lm_head_weight is None and model.embed_tokens.weight is None
-    assert all(m.int4 is not None and m.weight is not None for m in _linears(engines["auto"]))
+    # A dense copy beside the int4 packs: plain, or prepacked for oneDNN where the CPU has native bf16.
+    assert all(m.int4 is not None and (m.weight is not None or m.packed is not None) for m in _linears(engines["auto"]))
     assert all(m.int4 is None for m in _linears(engines[None]))
     assert engines[None].engine.runner.model.lm_head_int4 is None
 
