@@ -1,9 +1,9 @@
 """Dense bf16 weights prepacked once into oneDNN's blocked layout (torch's own mkldnn ops).
 
-`F.linear` on a plain row-major weight makes oneDNN reorder it into the layout its
-AMX / AVX-512-BF16 kernels read on every call; a weight packed once at load skips
-that. On a 2 vCPU Sapphire Rapids, the default model's shapes ran 1.3-1.9x faster at
-1 to 64 rows and the same at 2048, bit-identical to `F.linear` (see `Platform.linear_pack_rows`).
+oneDNN's AMX / AVX-512-BF16 kernels read weights in a blocked layout, while `F.linear`
+hands them a plain row-major one on every call. Packed once at load, the default
+model's shapes ran 1.3-1.9x faster at 1 to 64 rows and the same at 2048 on a 2 vCPU
+Sapphire Rapids, bit-identical to `F.linear` (see `Platform.linear_pack_rows`).
 Inductor cannot lower these ops, so compiled graphs keep plain weights.
 """
 
