@@ -7,8 +7,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mrv2.sample import Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p
+from mrv2.sample.sampler import greedy_argmax
 
 sampler = Sampler()
 
@@ -237,3 +240,21 @@ def test_chunked_sampling_draws_the_same_tokens(filters) -> None:
     expected = sampler(logits.clone(), md)
     for chunk in (1, 700, 1 << 20):
         assert torch.equal(Sampler(chunk_elems=chunk)(logits.clone(), md), expected)
+
+
+@pytest.mark.parametrize("rows,vocab,block", [(1, 49152, 1024), (64, 49152, 1024), (5, 32000, 1024),
+                                              (3, 151936, 1024), (4, 700, 1024), (2, 40, 8), (3, 41, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_is_torch_argmax(rows, vocab, block, dtype):
+    g = torch.Generator().manual_seed(vocab + rows)
+    logits = torch.randn(rows, vocab, generator=g).to(dtype)
+    assert torch.equal(greedy_argmax(logits, block), logits.argmax(dim=-1))
+
+
+@given(st.integers(1, 4), st.integers(9, 80), st.integers(2, 8), st.data())
+@settings(max_examples=200, deadline=None)
+def test_greedy_argmax_takes_the_first_of_tied_maxima(rows, vocab, block, data):
+    # Few distinct values: ties inside a block, across blocks and with the tail, and all -inf rows.
+    values = st.sampled_from([float("-inf"), -1.0, 0.0, 2.0, 3.0])
+    logits = torch.tensor([[data.draw(values) for _ in range(vocab)] for _ in range(rows)])
+    assert torch.equal(greedy_argmax(logits, block), logits.argmax(dim=-1))
