@@ -14,6 +14,7 @@ import pickle
 import time
 import traceback
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,24 +118,26 @@ def _info(llm: Any) -> EngineInfo:
                       special_ids=frozenset(llm.get_tokenizer().all_special_ids))
 
 
+def _outcome(fn: Callable[[], Any]) -> tuple[bool, Any]:
+    """(True, fn()) or (False, the exception), made picklable: the parent re-raises it, so bad
+    arguments read as they would in-process."""
+    try:
+        return True, fn()
+    except Exception as e:
+        try:
+            pickle.dumps(e)
+        except Exception:
+            e = RuntimeError("".join(traceback.format_exception_only(e)).strip())
+        return False, e
+
+
 def _serve(conn: Any, kwargs: dict[str, Any]) -> None:
     """The engine process: answer `(ok, value)` to each request until "close" or the pipe closes."""
     from mrv2 import LLM
 
-    def answer(fn):
-        try:
-            conn.send((True, fn()))
-        except Exception as e:  # the parent re-raises it: bad arguments must read as they would in-process
-            try:
-                pickle.dumps(e)
-            except Exception:
-                e = RuntimeError("".join(traceback.format_exception_only(e)).strip())
-            conn.send((False, e))
-            return False
-        return True
-
-    engine: list[LocalEngine] = []
-    if not answer(lambda: engine.append(LocalEngine(LLM(**kwargs))) or engine[0].info):
+    ok, engine = _outcome(lambda: LocalEngine(LLM(**kwargs)))
+    conn.send((True, engine.info) if ok else (False, engine))
+    if not ok:
         return
     while True:
         try:
@@ -143,5 +146,5 @@ def _serve(conn: Any, kwargs: dict[str, Any]) -> None:
             break
         if request == "close":
             break
-        answer(lambda: engine[0].timed_generate(*request))
-    engine[0].close()
+        conn.send(_outcome(lambda: engine.timed_generate(*request)))
+    engine.close()
