@@ -40,8 +40,8 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     kv_alignment = 64  # a cache line
     measures_peak_memory = False
-    # A 49152 x 576 LM head measured 13% (64 rows) to 30% (8 rows) faster in 2048-row GEMMs
-    # than in one, whose weight panel spills the caches.
+    # A plain 49152 x 576 LM head measured 13% (64 rows) to 30% (8 rows) faster in 2048-row
+    # GEMMs than in one, whose weight panel spills the caches. A packed head (bf16) is one call.
     logits_chunk_rows = 2048
     # Chunks of rows keep sampling's ~15 elementwise passes in cache (the fastest measured
     # at V = 49152 on 2 cores).

@@ -50,19 +50,30 @@ def test_int4_below_the_threshold_and_the_packed_dense_copy_above():
     torch.testing.assert_close(layer(x).float(), F.linear(x, dense).float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
-def test_bf16_engine_packs_its_linears_and_matches_plain_weights(tiny_checkpoint, arch):
-    path, _ = tiny_checkpoint(arch, False)
+@pytest.mark.parametrize("arch,tied", [("llama", True), ("llama", False), ("deepseek_v3", False)])
+def test_bf16_engine_packs_its_linears_and_lm_head_and_matches_plain_weights(tiny_checkpoint, arch, tied):
+    path, _ = tiny_checkpoint(arch, tied)
     kwargs = dict(model=str(path), dtype="bfloat16", kv_cache_memory=1 << 22, enforce_eager=True)
     packed = LLM(**kwargs)
-    linears = [m for m in packed.engine.runner.model.modules() if isinstance(m, Linear)]
+    model = packed.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert any(m.packed is not None for m in linears)
     assert all(m.weight is not None for m in linears if not m.packable)  # MLA's kv_b_proj
-    # The same weights unpacked, through F.linear: the same greedy tokens.
+    assert model.lm_head_packed is not None
+    # A tied head keeps the embedding table for lookups; an untied one keeps only its packed form.
+    assert (model.lm_head_weight is model.embed_tokens.weight) if tied else model.lm_head_weight is None
+    # The same weights unpacked, through F.linear and the chunked LM head: the same logits and greedy tokens.
     plain = LLM(**kwargs)
-    for m in plain.engine.runner.model.modules():
+    plain_model = plain.engine.runner.model
+    for m in plain_model.modules():
         if isinstance(m, Linear) and m.packed is not None:
             m.weight, m.packed = torch.nn.Parameter(m.packed.to_dense(), requires_grad=False), None
+    if not tied:
+        plain_model.lm_head_weight = torch.nn.Parameter(plain_model.lm_head_packed.to_dense(), requires_grad=False)
+    plain_model.lm_head_packed = None
+    hidden = torch.randn(64, model.config.hidden_size, dtype=torch.bfloat16)
+    chunks = packed.engine.platform.logits_chunk_rows
+    assert torch.equal(model.compute_logits(hidden, chunks), plain_model.compute_logits(hidden, chunks))
     prompts = [{"prompt_token_ids": [3, 17, 99, 4, 250]}, {"prompt_token_ids": [8, 9, 10]}]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     out_packed = [o.outputs[0].token_ids for o in packed.generate(prompts, params)]
