@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -17,13 +18,25 @@ def is_greedy(temperature: _T) -> _T:
     return temperature < GREEDY_EPS
 
 
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # the text and token ids so far, every step
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # nothing until the request finishes
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completion.
 
     temperature < GREEDY_EPS (e.g. 0) means greedy. top_k <= 0 (or -1) disables top-k; top_p == 1 and
     min_p == 0 disable those filters. A request with `seed` set draws the same
-    tokens whatever else is in the batch.
+    tokens whatever else is in the batch. Generation stops at an EOS (unless
+    `ignore_eos`), at any of `stop_token_ids`, or once the text contains one of the
+    `stop` strings, which is cut from the text unless `include_stop_str_in_output`;
+    neither applies before `min_tokens`. `spaces_between_special_tokens` joins special
+    tokens and the text around them with a space when they are not skipped.
     """
 
     n: int = 1
@@ -34,12 +47,22 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
         self.validate()
 
     def validate(self) -> None:
@@ -62,6 +85,14 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

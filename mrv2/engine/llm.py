@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 from mrv2.config import CacheConfig, EngineConfig, GraphConfig, GraphMode, ModelConfig, SchedulerConfig
 from mrv2.engine.llm_engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
-from mrv2.sampling_params import SamplingParams
+from mrv2.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | dict[str, Any]
 
@@ -84,6 +85,9 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        # Only final outputs are returned: the engine builds no per-step ones.
+        sampling_params = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) if isinstance(sp, SamplingParams)
+                           else sp for sp in sampling_params]
         requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
         return self._run(requests, use_tqdm)
 

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from mrv2.config import EngineConfig
-from mrv2.engine.outputs import CompletionOutput, RequestOutput
-from mrv2.engine.request import Request
+from mrv2.engine.output_processor import OutputProcessor
+from mrv2.engine.outputs import RequestOutput
+from mrv2.engine.request import Request, RequestStatus
 from mrv2.engine.scheduler import Scheduler
 from mrv2.engine.scheduler_output import SchedulerOutput
 from mrv2.runner.async_output import AsyncRunnerOutput
@@ -85,6 +86,7 @@ class LLMEngine:
                     (num_blocks - 1) * config.cache.block_size / max_model_len, max_model_len,
                     time.perf_counter() - t0)
         self.eos_token_ids = self._eos_token_ids()
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # Launched steps whose outputs are not processed yet, oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, AsyncRunnerOutput]] = deque()
@@ -155,9 +157,12 @@ class LLMEngine:
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+        self.output_processor.add_request(request)
 
     def abort(self, request_ids: list[str]) -> None:
+        """End these requests now (unknown or finished ids are ignored); their blocks return."""
         self.scheduler.abort_requests(request_ids)
+        self.output_processor.remove(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting or running, or launched steps whose outputs are still to be processed."""
@@ -184,22 +189,15 @@ class LLMEngine:
         try:
             runner_out = pending.get()
         except BaseException:
-            self.scheduler.fail_step(sched)
+            self.output_processor.remove([r.req_id for r in self.scheduler.fail_step(sched)])
             raise
         updated = self.scheduler.update_from_output(sched, runner_out)
-        return [self._output(r) for r in updated]
+        stopped = self.output_processor.detokenize(updated)
+        if stopped:  # a stop string: the request ends now, like one that sampled a stop token
+            self.scheduler.finish_requests([r.req_id for r in stopped], RequestStatus.FINISHED_STOPPED)
+        return self.output_processor.make_outputs(updated)
 
     def shutdown(self) -> None:
         """Finish launched steps and stop the runner's device queue."""
         self._in_flight.clear()
         self.runner.close()
-
-    def _output(self, request: Request) -> RequestOutput:
-        finished = request.is_finished
-        text = ""
-        if finished:
-            text = self.tokenizer.decode(request.output_token_ids,
-                                         skip_special_tokens=request.sampling_params.skip_special_tokens)
-        completion = CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
-                                      request.stop_reason)
-        return RequestOutput(request.req_id, request.prompt, request.prompt_token_ids, [completion], finished)

@@ -80,7 +80,13 @@ class Scheduler:
 
     def abort_requests(self, req_ids: str | Iterable[str]) -> list[Request]:
         """Abort unfinished requests now (unknown ids are ignored) and free their blocks."""
-        aborted = []
+        return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+        """End unfinished requests now with a final `status` (unknown or finished ids are ignored);
+        their blocks return at once, or when their steps in flight complete."""
+        assert status.is_finished, status
+        finished = []
         for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
             request = self.requests.get(req_id)
             if request is None:
@@ -90,9 +96,9 @@ class Scheduler:
                 self.finished_req_ids.add(req_id)  # only a running request holds a runner slot
             else:
                 self.waiting.remove(request)
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
-            aborted.append(request)
-        return aborted
+            self._finish(request, status)
+            finished.append(request)
+        return finished
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)

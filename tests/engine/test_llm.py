@@ -115,6 +115,26 @@ def test_stop_conditions(default_llm, prompt_ids, hf_greedy):
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].token_ids[-1] == 2
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_end_the_request_and_cut_the_text(default_llm, prompt_ids, hf_greedy, include):
+    tok = default_llm.get_tokenizer()
+    full = tok.decode(hf_greedy[0])
+    stop = full.split()[3]  # a word a few tokens in
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop, "never appears"],
+                            include_stop_str_in_output=include)
+    others = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = default_llm.generate(_as_inputs(prompt_ids[:3]), [params, others, others])
+    out = outs[0].outputs[0]
+    at = full.index(stop)
+    assert out.text == (full[:at + len(stop)] if include else full[:at])
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    # Its tokens end with the one that completed the stop string; the batch-mates ran on.
+    assert out.token_ids == hf_greedy[0][:len(out.token_ids)] and len(out.token_ids) < 32
+    assert stop in tok.decode(out.token_ids) and stop not in tok.decode(out.token_ids[:-1])
+    assert _tokens(outs[1:]) == hf_greedy[1:3]
+    assert default_llm.engine.scheduler.block_pool.is_whole()
+
+
 def test_abort_mid_run_returns_blocks(default_llm, prompt_ids):
     engine = default_llm.engine
     pool = engine.scheduler.block_pool
@@ -171,6 +191,9 @@ def test_bad_prompts_raise_and_engine_keeps_serving(default_llm, prompt, params,
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -3}, "top_k"),
     ({"min_p": 2.0}, "min_p"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": [3]}, "stop"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
 ])
 def test_bad_sampling_params_raise(kwargs, field):
     with pytest.raises(ValueError, match=field):

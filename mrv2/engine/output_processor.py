@@ -1,0 +1,90 @@
+"""Per-request output state: new tokens in, detokenized RequestOutputs out, stop strings found.
+
+The scheduler knows tokens; this knows text. Each step the engine hands over the
+requests that got tokens; their new tokens go through the request's
+`IncrementalDetokenizer`, and a request whose text reached a stop string is
+reported back so that the engine ends it in the scheduler (its blocks return at
+once). Outputs follow the request's `output_kind`: cumulative, delta or final only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mrv2.engine.detokenizer import IncrementalDetokenizer
+from mrv2.engine.outputs import CompletionOutput, RequestOutput
+from mrv2.engine.request import Request
+from mrv2.sampling_params import RequestOutputKind
+
+
+@dataclass
+class _RequestState:
+    detokenizer: IncrementalDetokenizer
+    kind: RequestOutputKind
+    num_processed: int = 0  # output tokens already through the detokenizer
+    num_sent: int = 0  # output tokens already in a DELTA output
+
+
+class OutputProcessor:
+    """Detokenizes every live request's output and builds its RequestOutputs."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _RequestState] = {}
+
+    def add_request(self, request: Request) -> None:
+        params = request.sampling_params
+        self._states[request.req_id] = _RequestState(
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params), params.output_kind)
+
+    def remove(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self._states.pop(req_id, None)
+
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self._states
+
+    def detokenize(self, requests: list[Request]) -> list[Request]:
+        """Feed each request's new tokens to its detokenizer; return the unfinished requests whose
+        text reached a stop string, their output cut after the token that completed it."""
+        stopped = []
+        for request in requests:
+            state = self._states.get(request.req_id)
+            if state is None:
+                continue
+            tokens = request.output_token_ids
+            while state.num_processed < len(tokens):
+                state.num_processed += 1
+                if state.detokenizer.add_token(tokens[state.num_processed - 1]):
+                    excess = len(tokens) - state.num_processed  # tokens of the same step after the stop
+                    if excess:
+                        del request.output_token_ids[-excess:], request.all_token_ids[-excess:]
+                    if not request.is_finished:
+                        stopped.append(request)
+                    break
+        return stopped
+
+    def make_outputs(self, requests: list[Request]) -> list[RequestOutput]:
+        """RequestOutputs for `requests` (after `detokenize`, with final statuses); finished ones are dropped."""
+        outputs = []
+        for request in requests:
+            state = self._states.get(request.req_id)
+            if state is None:
+                continue
+            finished = request.is_finished
+            if finished:
+                del self._states[request.req_id]
+            detok = state.detokenizer
+            if state.kind == RequestOutputKind.FINAL_ONLY and not finished:
+                continue
+            if state.kind == RequestOutputKind.DELTA:
+                text, token_ids = detok.delta(finished), request.output_token_ids[state.num_sent:]
+                state.num_sent = len(request.output_token_ids)
+            else:
+                text, token_ids = detok.output_text(finished), list(request.output_token_ids)
+            stop_reason = detok.stop_str if detok.stop_str is not None else request.stop_reason
+            completion = CompletionOutput(0, text, list(token_ids), request.finish_reason, stop_reason)
+            outputs.append(RequestOutput(request.req_id, request.prompt, request.prompt_token_ids,
+                                         [completion], finished))
+        return outputs
