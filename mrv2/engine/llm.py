@@ -23,6 +23,31 @@ def _graph_mode(name: str | None, compile: bool | None) -> GraphMode:
 Message = dict[str, Any]
 
 
+def engine_config(model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
+                  max_model_len: int | None = None, max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
+                  kv_cache_memory: int | None = None, kv_cache_memory_fraction: float = 0.5,
+                  block_size: int = 16, kv_cache_layout: str = "joint", kv_transfer: bool = False,
+                  enable_chunked_prefill: bool = True, enforce_eager: bool = False, seed: int = 0,
+                  device: str | None = None, graph_mode: str | None = None,
+                  graph_capture_sizes: Sequence[int] | None = None, graph_compile: bool | None = None,
+                  async_scheduling: bool | None = None, quantization: str | None = "auto") -> EngineConfig:
+    """The EngineConfig for `LLM(...)` / `AsyncLLM(...)` keyword arguments (see `LLM`)."""
+    return EngineConfig(
+        model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                          quantization=quantization),
+        cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                          memory_fraction=kv_cache_memory_fraction, layout=kv_cache_layout,
+                          kv_transfer=kv_transfer),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  enable_chunked_prefill=enable_chunked_prefill),
+        graph=None if (graph_mode, graph_capture_sizes, graph_compile) == (None, None, None) else GraphConfig(
+            mode=_graph_mode(graph_mode, graph_compile),
+            capture_sizes=tuple(graph_capture_sizes) if graph_capture_sizes is not None else None,
+            compile=graph_compile),
+        enforce_eager=enforce_eager, device=device, async_scheduling=async_scheduling,
+    )
+
+
 class LLM:
     """Generate completions for batches of prompts.
 
@@ -41,29 +66,8 @@ class LLM:
     (see `ModelConfig`).
     """
 
-    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
-                 kv_cache_memory: int | None = None, kv_cache_memory_fraction: float = 0.5,
-                 block_size: int = 16, kv_cache_layout: str = "joint", kv_transfer: bool = False,
-                 enable_chunked_prefill: bool = True, enforce_eager: bool = False, seed: int = 0,
-                 device: str | None = None, graph_mode: str | None = None,
-                 graph_capture_sizes: Sequence[int] | None = None, graph_compile: bool | None = None,
-                 async_scheduling: bool | None = None, quantization: str | None = "auto") -> None:
-        config = EngineConfig(
-            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              quantization=quantization),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              memory_fraction=kv_cache_memory_fraction, layout=kv_cache_layout,
-                              kv_transfer=kv_transfer),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill),
-            graph=None if (graph_mode, graph_capture_sizes, graph_compile) == (None, None, None) else GraphConfig(
-                mode=_graph_mode(graph_mode, graph_compile),
-                capture_sizes=tuple(graph_capture_sizes) if graph_capture_sizes is not None else None,
-                compile=graph_compile),
-            enforce_eager=enforce_eager, device=device, async_scheduling=async_scheduling,
-        )
-        self.engine = LLMEngine(config)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(engine_config(model, **kwargs))
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -99,18 +103,8 @@ class LLM:
         if not messages:
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        tokenizer = self.engine.tokenizer
-        if tokenizer.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template")
-        prompts = []
-        for conversation in conversations:
-            if not conversation or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                           for m in conversation):
-                raise ValueError("each message must be a dict with 'role' and 'content'")
-            ids = tokenizer.apply_chat_template(list(conversation), tokenize=True,
-                                                add_generation_prompt=add_generation_prompt,
-                                                return_dict=False, **(chat_template_kwargs or {}))
-            prompts.append({"prompt_token_ids": list(ids)})
+        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)}
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:

@@ -143,6 +143,18 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a dict, got {type(prompt).__name__}")
         return prompt, self.tokenizer.encode(prompt)
 
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of one conversation (a list of {"role", "content"} dicts) in the model's chat template."""
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        if not isinstance(messages, (list, tuple)) or not messages or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("messages must be a non-empty list of dicts with 'role' and 'content'")
+        ids = self.tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=add_generation_prompt,
+                                                 return_dict=False, **(chat_template_kwargs or {}))
+        return list(ids)
+
     def make_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> Request:
         """Validate a prompt and its parameters into a Request (nothing is scheduled yet)."""
         if not isinstance(params, SamplingParams):
@@ -198,6 +210,11 @@ class LLMEngine:
         return self.output_processor.make_outputs(updated)
 
     def shutdown(self) -> None:
-        """Finish launched steps and stop the runner's device queue."""
-        self._in_flight.clear()
+        """Finish launched steps (requests ended meanwhile get their blocks back), stop the runner's device queue."""
+        while self._in_flight:
+            sched, pending = self._in_flight.popleft()
+            try:
+                self.scheduler.update_from_output(sched, pending.get())
+            except Exception:  # noqa: BLE001 - shutting down: the step's requests just end
+                self.scheduler.fail_step(sched)
         self.runner.close()

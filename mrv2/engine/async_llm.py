@@ -1,0 +1,203 @@
+"""`AsyncLLM`: the engine loop on a background thread, per-request async generators in front.
+
+Callers (the OpenAI server, or any asyncio code) submit requests and iterate their
+outputs; the loop thread owns the `LLMEngine`: it adds and aborts requests between
+steps, runs steps while any request is unfinished, and hands each step's outputs to
+the waiting generators through their event loops. A generator that is closed or
+cancelled before its request finished (a client that went away) aborts the request,
+so its blocks return at once. A step that fails (an exception in the forward or the
+sampler) fails only the requests of that step, each with the error; the loop serves
+the next ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from mrv2.engine.llm import engine_config
+from mrv2.engine.llm_engine import LLMEngine
+from mrv2.engine.outputs import RequestOutput
+from mrv2.engine.stats import IterationStats, RequestTimes, SchedulerStats, StatLogger
+from mrv2.sampling_params import SamplingParams
+
+logger = logging.getLogger("mrv2")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (shut down, or an error it could not recover from)."""
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: a queue on the caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    """An engine for concurrent callers: `async for out in llm.generate(prompt, params)`.
+
+    Takes the same arguments as `LLM`. `stat_loggers` receive the scheduler's state and
+    each step's token counts and latencies (see `engine/stats.py`).
+    """
+
+    def __init__(self, model: str | None = None, *, stat_loggers: list[StatLogger] | None = None,
+                 **kwargs: Any) -> None:
+        self.engine = LLMEngine(engine_config(model, **kwargs))
+        self.stat_loggers = list(stat_loggers or [])
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._times: dict[str, RequestTimes] = {}
+        self._stopped = threading.Event()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mrv2-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    # -- the caller's side --
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as the engine produces them (per `sampling_params.output_kind`),
+        the last one finished. Bad input raises ValueError before anything is scheduled."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running") from self._dead
+        request = self.engine.make_request(prompt, sampling_params, request_id)
+        stream = _Stream(asyncio.get_running_loop())
+        self._submit("add", (request, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already dropped it
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # closed or cancelled early: the client went away
+                self._submit("abort", [request.req_id])
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored)."""
+        self._submit("abort", [request_id] if isinstance(request_id, str) else list(request_id))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort what is in flight, stop the loop and the runner; waits up to `timeout` seconds."""
+        if not self._stopped.is_set():
+            self._stopped.set()
+            self._wakeup.set()
+            self._thread.join(timeout)
+
+    def _submit(self, command: str, payload: Any) -> None:
+        self._commands.put((command, payload))
+        self._wakeup.set()
+
+    # -- the loop thread --
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopped.is_set():
+                self._apply_commands()
+                if not engine.has_unfinished_requests():
+                    self._log_stats(IterationStats())
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                stats = IterationStats()
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # the step's requests failed; the engine serves the rest
+                    logger.exception("engine step failed")
+                    self._fail_dropped(e)
+                    continue
+                now = time.monotonic()
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    times = self._times.get(out.request_id)
+                    if times is not None:
+                        times.record(out, now, stats)
+                    if stream is not None:
+                        stream.put(out)
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+                        self._times.pop(out.request_id, None)
+                self._log_stats(stats)
+        except BaseException as e:  # noqa: BLE001 - whatever stopped the loop is every caller's error
+            logger.exception("engine loop died")
+            self._dead = e
+        finally:
+            self._close()
+
+    def _apply_commands(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                command, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command == "add":
+                request, stream = payload
+                try:
+                    engine.add_request(request)
+                except ValueError as e:  # a reused request id
+                    stream.put(e)
+                    continue
+                self._streams[request.req_id] = stream
+                self._times[request.req_id] = RequestTimes(request.arrival_time, request.num_prompt_tokens,
+                                                          request.sampling_params.output_kind)
+            elif command == "abort":
+                engine.abort(payload)
+                for req_id in payload:
+                    self._streams.pop(req_id, None)
+                    self._times.pop(req_id, None)
+
+    def _fail_dropped(self, error: Exception) -> None:
+        """Requests the engine no longer tracks after a failed step get the error."""
+        for req_id in [r for r in self._streams if not self.engine.output_processor.has_request(r)]:
+            self._streams.pop(req_id).put(RuntimeError(f"request {req_id} failed in an engine step: {error!r}"))
+            self._times.pop(req_id, None)
+
+    def _log_stats(self, iteration: IterationStats) -> None:
+        if not self.stat_loggers:
+            return
+        scheduler = self.engine.scheduler
+        sched = SchedulerStats(len(scheduler.running), len(scheduler.waiting), scheduler.block_pool.usage,
+                               scheduler.num_preemptions)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(sched, iteration)
+
+    def _close(self) -> None:
+        error = EngineDeadError("the engine shut down")
+        if self._dead is not None:
+            error.__cause__ = self._dead
+        self._apply_commands()
+        live = list(self._streams)
+        self.engine.abort(live)
+        for req_id in live:
+            self._streams.pop(req_id).put(error)
+        self._times.clear()
+        self._log_stats(IterationStats())
+        self.engine.shutdown()

@@ -1,0 +1,73 @@
+"""What the engine reports about itself each step: scheduler state, token counts, latencies.
+
+`AsyncLLM` fills an `IterationStats` per step from its requests' `RequestTimes` and
+hands it, with a `SchedulerStats` snapshot, to every `StatLogger` (the server's
+Prometheus metrics are one). Times are `time.monotonic()` seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from mrv2.engine.outputs import RequestOutput
+from mrv2.sampling_params import RequestOutputKind
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's state after a step."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable KV blocks in use
+    num_preemptions: int  # since the engine started
+
+
+@dataclass
+class IterationStats:
+    """Token counts and latencies observed in one step (empty when the engine is idle)."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    e2e_latencies: list[float] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RequestTimes:
+    """One request's arrival, first and latest token, for its latencies."""
+
+    arrival: float
+    num_prompt_tokens: int
+    kind: RequestOutputKind  # what its outputs carry: new tokens only (DELTA) or all so far
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generated: int = 0
+
+    def record(self, out: RequestOutput, now: float, stats: IterationStats) -> None:
+        """Account for `out`, the request's newest output, produced at `now`."""
+        completion = out.outputs[0]
+        new = len(completion.token_ids) if self.kind == RequestOutputKind.DELTA else \
+            len(completion.token_ids) - self.num_generated
+        if new > 0:
+            if self.first_token is None:
+                self.first_token = now
+                stats.num_prompt_tokens += self.num_prompt_tokens
+                stats.time_to_first_tokens.append(now - self.arrival)
+            else:  # tokens that arrive together share the interval since the previous ones
+                stats.inter_token_latencies.extend([(now - self.last_token) / new] * new)
+            self.last_token = now
+            self.num_generated += new
+            stats.num_generation_tokens += new
+        if out.finished:
+            stats.e2e_latencies.append(now - self.arrival)
+            stats.finish_reasons.append(completion.finish_reason or "abort")
+
+
+class StatLogger(Protocol):
+    """Receives the engine's state after every step (and once when it goes idle)."""
+
+    def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None: ...
