@@ -23,7 +23,8 @@ from typing import Any
 
 from mrv2.engine.llm import engine_config
 from mrv2.engine.llm_engine import LLMEngine
-from mrv2.engine.outputs import RequestOutput
+from mrv2.engine.outputs import CompletionOutput, RequestOutput
+from mrv2.engine.request import Request
 from mrv2.engine.stats import IterationStats, RequestTimes, SchedulerStats, StatLogger
 from mrv2.sampling_params import SamplingParams
 
@@ -39,10 +40,16 @@ class _Stream:
     """Where one request's outputs go: a queue on the caller's event loop."""
 
     loop: asyncio.AbstractEventLoop
+    request: Request
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def put_aborted(self) -> None:
+        """The last output of a request aborted from outside its generator."""
+        r = self.request
+        self.put(RequestOutput(r.req_id, r.prompt, r.prompt_token_ids, [CompletionOutput(0, "", [], "abort")], True))
 
 
 class AsyncLLM:
@@ -82,7 +89,7 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self._dead
         request = self.engine.make_request(prompt, sampling_params, request_id)
-        stream = _Stream(asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop(), request)
         self._submit("add", (request, stream))
         finished = False
         try:
@@ -100,8 +107,12 @@ class AsyncLLM:
                 self._submit("abort", [request.req_id])
 
     async def abort(self, request_id: str | list[str]) -> None:
-        """Abort requests (unknown or finished ids are ignored)."""
+        """Abort requests (unknown or finished ids are ignored); their streams end with finish_reason "abort"."""
         self._submit("abort", [request_id] if isinstance(request_id, str) else list(request_id))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (thread-safe; for a server that is shutting down)."""
+        self._submit("abort_all", None)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort what is in flight, stop the loop and the runner; waits up to `timeout` seconds."""
@@ -168,10 +179,12 @@ class AsyncLLM:
                 self._streams[request.req_id] = stream
                 self._times[request.req_id] = RequestTimes(request.arrival_time, request.num_prompt_tokens,
                                                           request.sampling_params.output_kind)
-            elif command == "abort":
-                engine.abort(payload)
-                for req_id in payload:
-                    self._streams.pop(req_id, None)
+            elif command in ("abort", "abort_all"):
+                req_ids = list(self._streams) if command == "abort_all" else payload
+                engine.abort(req_ids)
+                for req_id in req_ids:
+                    if (stream := self._streams.pop(req_id, None)) is not None:
+                        stream.put_aborted()  # a generator that asked for it is gone already
                     self._times.pop(req_id, None)
 
     def _fail_dropped(self, error: Exception) -> None:

@@ -1,4 +1,4 @@
-"""The `mrv2` command: generate, chat, bench, eval."""
+"""The `mrv2` command: generate, chat, serve, bench, eval."""
 
 from __future__ import annotations
 
@@ -126,6 +126,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(reply)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mrv2.entrypoints.openai.api_server import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mrv2", description="Model Runner V2 LLM engine")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
@@ -145,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    from mrv2.entrypoints.openai.args import add_server_args
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    add_server_args(srv)
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

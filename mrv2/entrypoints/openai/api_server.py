@@ -1,0 +1,405 @@
+"""`mrv2 serve`: an OpenAI-compatible HTTP server over `AsyncLLM` (FastAPI + uvicorn).
+
+Routes: `POST /v1/completions` and `POST /v1/chat/completions` (streamed as
+server-sent events, or not), `GET /v1/models`, `GET /health`, `POST /tokenize`,
+`POST /detokenize`, `GET /metrics` (Prometheus). With an API key every `/v1` route
+needs `Authorization: Bearer KEY`. Errors use OpenAI's JSON shape; bad input is a
+400 naming the field, never a 500, and the engine keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from mrv2.engine.arg_utils import engine_kwargs
+from mrv2.engine.async_llm import AsyncLLM, EngineDeadError
+from mrv2.engine.outputs import RequestOutput
+from mrv2.entrypoints.openai.args import DEFAULT_SERVED_NAME
+from mrv2.entrypoints.openai.metrics import PrometheusStatLogger
+from mrv2.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                              InvalidRequest, TokenizeRequest)
+from mrv2.sampling_params import SamplingParams
+
+logger = logging.getLogger("mrv2")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the HTTP layer needs besides the engine."""
+
+    served_model_name: str
+    api_key: str | None = None
+
+
+class APIError(Exception):
+    """An error with an HTTP status, returned in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.status}}, status_code=self.status)
+
+
+def _bad_request(e: ValueError) -> APIError:
+    param = e.param if isinstance(e, InvalidRequest) else _field_of(str(e))
+    return APIError(400, str(e), "BadRequestError", param)
+
+
+def _field_of(message: str) -> str | None:
+    """The request field an engine ValueError is about (its messages start with, or name, the field)."""
+    first = message.split(" ", 1)[0]
+    if first.isidentifier():
+        return "prompt" if first.startswith("prompt") else first
+    return None
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class _Merged:
+    """Outputs of several requests as one stream, tagged with each request's index."""
+
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]]) -> None:
+        self.streams = streams
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self.streams) == 1:
+            async for out in self.streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for out in stream:
+                    await queue.put((i, out))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, done))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+class OpenAIServing:
+    """The route handlers' logic over one AsyncLLM."""
+
+    def __init__(self, llm: AsyncLLM, config: ServerConfig) -> None:
+        self.llm = llm
+        self.config = config
+        engine = llm.engine
+        self.max_model_len = engine.config.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
+
+    def _default_max_tokens(self, prompts: list[list[int]]) -> int:
+        return max(1, self.max_model_len - max(len(p) for p in prompts))
+
+    def _start(self, prompts: list[Any], params_for: Any) -> tuple[list[AsyncIterator[RequestOutput]], list[int]]:
+        """Validate every prompt, then start one request per prompt (nothing starts if any is bad)."""
+        engine = self.llm.engine
+        token_ids = []
+        for p in prompts:
+            _, ids = engine.tokenize(p)
+            engine.scheduler.validate_prompt(ids)
+            token_ids.append(ids)
+        params: SamplingParams = params_for(self._default_max_tokens(token_ids))
+        if params.max_tokens is not None:
+            too_long = [len(ids) for ids in token_ids if len(ids) + params.max_tokens > self.max_model_len]
+            if too_long:
+                raise InvalidRequest(
+                    f"prompt ({too_long[0]} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
+                    f"maximum context length of {self.max_model_len} tokens", "max_tokens")
+        base = f"{uuid.uuid4().hex}"
+        streams = [self.llm.generate({"prompt_token_ids": ids}, params, request_id=f"{base}-{i}")
+                   for i, ids in enumerate(token_ids)]
+        return streams, [len(ids) for ids in token_ids]
+
+    # -- completions --
+
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        self.check_model(body.model)
+        prompts = body.prompts()
+        streams, prompt_lens = self._start(prompts, body.to_sampling_params)
+        texts = [p.get("prompt") for p in prompts]
+        request_id, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name
+        if body.echo:
+            tok = self.llm.tokenizer
+            texts = [t if t is not None else tok.decode(p["prompt_token_ids"]) for t, p in zip(texts, prompts)]
+
+        def chunk(index: int, text: str, finish: str | None, stop_reason: Any) -> dict[str, Any]:
+            return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish,
+                                 "stop_reason": stop_reason}]}
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[str]:
+                completion_tokens = [0] * len(streams)
+                echoed = [not body.echo] * len(streams)
+                try:
+                    async for i, out in _Merged(streams):
+                        c = out.outputs[0]
+                        completion_tokens[i] += len(c.token_ids)
+                        text = c.text if echoed[i] else texts[i] + c.text
+                        echoed[i] = True
+                        if text or c.finish_reason is not None:
+                            yield _sse(chunk(i, text, c.finish_reason, c.stop_reason))
+                    if include_usage:
+                        yield _sse(self._usage_chunk(request_id, "text_completion", created, prompt_lens,
+                                                     completion_tokens))
+                except EngineDeadError as e:
+                    yield _sse({"error": {"message": str(e), "type": "ServiceUnavailable", "code": 503}})
+                except RuntimeError as e:
+                    yield _sse({"error": {"message": str(e), "type": "InternalServerError", "code": 500}})
+                yield _sse("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        finals = await self._collect(streams, raw)
+        choices = []
+        for i, (text, token_ids, finish, stop_reason) in enumerate(finals):
+            choices.append({"index": i, "text": (texts[i] if body.echo else "") + text, "logprobs": None,
+                            "finish_reason": finish, "stop_reason": stop_reason})
+        return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                             "choices": choices,
+                             "usage": self._usage(prompt_lens, [len(f[1]) for f in finals])})
+
+    # -- chat --
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(body.model)
+        messages = [m.as_template_input() for m in body.messages]
+        try:
+            ids = self.llm.engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template_kwargs)
+        except ValueError as e:
+            raise InvalidRequest(str(e), "messages") from None
+        except Exception as e:  # a template that rejects the conversation (jinja2 raise_exception)
+            raise InvalidRequest(f"the chat template rejected the messages: {e}", "messages") from None
+        streams, prompt_lens = self._start([{"prompt_token_ids": ids}], body.to_sampling_params)
+        request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            def chunk(delta: dict[str, Any], finish: str | None = None, stop_reason: Any = None) -> dict[str, Any]:
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                if finish is not None:
+                    choice["stop_reason"] = stop_reason
+                return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [choice]}
+
+            async def events() -> AsyncIterator[str]:
+                completion_tokens = 0
+                yield _sse(chunk({"role": "assistant", "content": ""}))
+                try:
+                    async for _, out in _Merged(streams):
+                        c = out.outputs[0]
+                        completion_tokens += len(c.token_ids)
+                        if c.text:
+                            yield _sse(chunk({"content": c.text}))
+                        if c.finish_reason is not None:
+                            yield _sse(chunk({}, c.finish_reason, c.stop_reason))
+                    if include_usage:
+                        yield _sse(self._usage_chunk(request_id, "chat.completion.chunk", created, prompt_lens,
+                                                     [completion_tokens]))
+                except EngineDeadError as e:
+                    yield _sse({"error": {"message": str(e), "type": "ServiceUnavailable", "code": 503}})
+                except RuntimeError as e:
+                    yield _sse({"error": {"message": str(e), "type": "InternalServerError", "code": 500}})
+                yield _sse("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        (text, token_ids, finish, stop_reason), = await self._collect(streams, raw)
+        return JSONResponse({
+            "id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish, "stop_reason": stop_reason}],
+            "usage": self._usage(prompt_lens, [len(token_ids)])})
+
+    # -- shared --
+
+    async def _collect(self, streams: list[AsyncIterator[RequestOutput]], raw: Request) -> list[tuple]:
+        """Run the requests to the end; a client that disconnects meanwhile aborts them."""
+        texts, tokens = [""] * len(streams), [[] for _ in streams]
+        finals: list[tuple] = [("", [], None, None)] * len(streams)
+        merged = _Merged(streams).__aiter__()
+        try:
+            async for i, out in merged:
+                c = out.outputs[0]
+                texts[i] += c.text
+                tokens[i] += c.token_ids
+                finals[i] = (texts[i], tokens[i], c.finish_reason, c.stop_reason)
+                if await raw.is_disconnected():
+                    raise asyncio.CancelledError
+        finally:
+            await merged.aclose()
+        return finals
+
+    @staticmethod
+    def _usage(prompt_lens: list[int], completion_lens: list[int]) -> dict[str, int]:
+        prompt, completion = sum(prompt_lens), sum(completion_lens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _usage_chunk(self, request_id: str, obj: str, created: int, prompt_lens: list[int],
+                     completion_lens: list[int]) -> dict[str, Any]:
+        return {"id": request_id, "object": obj, "created": created, "model": self.config.served_model_name,
+                "choices": [], "usage": self._usage(prompt_lens, completion_lens)}
+
+
+def build_app(llm: AsyncLLM, config: ServerConfig, stat_logger: PrometheusStatLogger | None = None) -> FastAPI:
+    """The FastAPI application over a running `llm`."""
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        # uvicorn's shutdown (SIGINT/SIGTERM) ran its graceful period: abort what is left, stop the engine.
+        await asyncio.to_thread(llm.shutdown)
+
+    app = FastAPI(title="mrv2", docs_url=None, redoc_url=None, lifespan=lifespan)
+    serving = OpenAIServing(llm, config)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":
+            return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+                            "BadRequestError").response()
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return APIError(400, message, "BadRequestError", loc[0] if loc else None).response()
+
+    @app.exception_handler(ValueError)
+    async def value_error(_: Request, e: ValueError) -> JSONResponse:
+        return _bad_request(e).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return APIError(503, str(e), "ServiceUnavailable").response()
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if config.api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+                return APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                "AuthenticationError").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if llm.is_running else 503)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{
+            "id": config.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "mrv2",
+            "root": str(llm.engine.model_path), "max_model_len": serving.max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await serving.completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequest("give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            ids = llm.engine.apply_chat_template([m.as_template_input() for m in body.messages],
+                                                 body.add_generation_prompt)
+        else:
+            ids = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        serving.check_model(body.model)
+        vocab = len(llm.tokenizer)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"tokens contains ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
+        return JSONResponse({"prompt": llm.tokenizer.decode(body.tokens)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if stat_logger is None:
+            return Response(status_code=404)
+        return Response(generate_latest(stat_logger.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server; on SIGINT/SIGTERM the engine's requests are aborted first, so every stream
+    ends with finish_reason "abort" and [DONE] and the connections close within the graceful period."""
+
+    def __init__(self, llm: AsyncLLM, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.llm = llm
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.llm.abort_all()
+        super().handle_exit(sig, frame)
+
+
+def serve(args: Any) -> int:
+    """Start the engine, then serve HTTP until SIGINT/SIGTERM: requests in flight end as aborted, the engine
+    stops, and the process exits by that signal, as uvicorn does."""
+    name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
+    stat_logger = PrometheusStatLogger(name)
+    llm = AsyncLLM(**engine_kwargs(args), stat_loggers=[stat_logger])
+    try:
+        app = build_app(llm, ServerConfig(name, args.api_key), stat_logger)
+        server = _Server(llm, uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                             timeout_graceful_shutdown=5))
+        logger.warning("Serving %s on http://%s:%d/v1", name, args.host, args.port)
+        server.run()
+    finally:
+        llm.shutdown()
+    return 0

@@ -1,0 +1,63 @@
+"""The engine's stats as Prometheus metrics (`GET /metrics`), with vLLM's metric names under `mrv2:`.
+
+Each server has its own `CollectorRegistry`, so several servers (or tests) in one
+process never collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from mrv2.engine.stats import IterationStats, SchedulerStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class PrometheusStatLogger:
+    """Records `AsyncLLM`'s per-step stats into Prometheus gauges, counters and histograms."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels, r = ["model_name"], self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+
+        self.running = gauge("mrv2:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("mrv2:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("mrv2:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.preemptions = counter("mrv2:num_preemptions", "Requests preempted to free KV-cache blocks.")
+        self.prompt_tokens = counter("mrv2:prompt_tokens", "Prompt tokens of requests that got a first token.")
+        self.generation_tokens = counter("mrv2:generation_tokens", "Generated tokens.")
+        self.ttft = histogram("mrv2:time_to_first_token_seconds", "Time from arrival to the first token.")
+        self.itl = histogram("mrv2:inter_token_latency_seconds", "Time between consecutive tokens of a request.")
+        self.e2e = histogram("mrv2:e2e_request_latency_seconds", "Time from arrival to the last token.")
+        self._success = Counter("mrv2:request_success", "Finished requests, by finish reason.",
+                                labels + ["finished_reason"], registry=r)
+        self._model_name = model_name
+        self._preemptions_seen = 0
+
+    def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
+        self.running.set(scheduler.num_running)
+        self.waiting.set(scheduler.num_waiting)
+        self.kv_usage.set(scheduler.kv_cache_usage)
+        if scheduler.num_preemptions > self._preemptions_seen:
+            self.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = scheduler.num_preemptions
+        self.prompt_tokens.inc(iteration.num_prompt_tokens)
+        self.generation_tokens.inc(iteration.num_generation_tokens)
+        for value in iteration.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in iteration.inter_token_latencies:
+            self.itl.observe(value)
+        for value in iteration.e2e_latencies:
+            self.e2e.observe(value)
+        for reason in iteration.finish_reasons:
+            self._success.labels(self._model_name, reason).inc()

@@ -1,0 +1,185 @@
+"""OpenAI API request bodies (plus vLLM's extra fields), and their mapping to SamplingParams.
+
+Field names, types and defaults follow OpenAI's completions and chat completions
+APIs; vLLM's extra sampling fields are accepted alongside. Unknown fields are
+ignored, as OpenAI-compatible servers do. Fields mrv2 does not implement yet are
+rejected with a 400 naming them when set to anything but their neutral value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mrv2.sampling_params import RequestOutputKind, SamplingParams
+
+
+class InvalidRequest(ValueError):
+    """A request the server rejects with 400; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """The sampling fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted and ignored
+    # vLLM's extra fields
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+
+    def _unsupported(self) -> dict[str, Any]:
+        """Fields set to a value mrv2 cannot honour yet (name -> neutral value)."""
+        return {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "repetition_penalty": 1.0,
+                "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": None}
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """SamplingParams for this request (streamed outputs as deltas); InvalidRequest names a bad field."""
+        for name, neutral in self._unsupported().items():
+            value = getattr(self, name)
+            if value is not None and value != neutral and value != {} and value != []:
+                raise InvalidRequest(f"{name} is not supported yet", name)
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
+        max_tokens = self._max_tokens()
+        try:
+            return SamplingParams(
+                n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0, seed=self.seed,
+                max_tokens=default_max_tokens if max_tokens is None else max_tokens, min_tokens=self.min_tokens,
+                stop=self.stop, stop_token_ids=self.stop_token_ids or [],
+                include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                output_kind=RequestOutputKind.DELTA)
+        except ValueError as e:
+            raise InvalidRequest(str(e), str(e).split(" ", 1)[0]) from None
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions (chat: the room left in the context)
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def _unsupported(self) -> dict[str, Any]:
+        return super()._unsupported() | {"logprobs": None, "suffix": None}
+
+    def prompts(self) -> list[dict[str, Any]]:
+        """The prompts as engine inputs: text or token ids, one request each."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [{"prompt": p}]
+        if not p:
+            raise InvalidRequest("prompt must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": list(p)}]
+        if all(isinstance(x, str) for x in p):
+            return [{"prompt": x} for x in p]
+        if all(isinstance(x, list) for x in p):
+            return [{"prompt_token_ids": list(x)} for x in p]
+        raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or a list of "
+                             "lists of token ids", "prompt")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if content is None and self.role != "assistant":
+            raise InvalidRequest(f"a {self.role!r} message needs content", "messages")
+        if isinstance(content, list):  # OpenAI's content parts: only text parts are supported
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequest(f"content parts of type {part.get('type')!r} are not supported; "
+                                         "use text parts", "messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def _unsupported(self) -> dict[str, Any]:
+        return super()._unsupported() | {"logprobs": False, "top_logprobs": None, "tools": None,
+                                         "response_format": None}
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+

@@ -1,0 +1,289 @@
+"""`mrv2 serve` as a real process on 127.0.0.1, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from mrv2 import SamplingParams
+
+KEY = "test-key-123"
+MODEL = "smol"
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "32",
+               "--kv-cache-memory", str(48 << 20)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `mrv2 serve` child process; `url` once /health answers."""
+
+    def __init__(self, *extra: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "mrv2.entrypoints.cli", "serve", "--port", str(self.port),
+               "--served-model-name", MODEL, *ENGINE_ARGS, *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if urllib.request.urlopen(self.url + "/health", timeout=1).status == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not become healthy")
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=5).read().decode()
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
+        return values
+
+    def wait_idle(self) -> dict[str, float]:
+        deadline = time.monotonic() + 30
+        while True:
+            m = self.metrics()
+            if (m["mrv2:num_requests_running"] == 0 and m["mrv2:num_requests_waiting"] == 0
+                    and m["mrv2:kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
+                return m
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        """SIGTERM, as a service manager stops it; the exit status (uvicorn exits by the signal)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--api-key", KEY)
+    yield s
+    assert s.stop() in (0, -signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(default_llm):
+    """Offline greedy completions on the same model in fp32: what the server must return."""
+    def run(prompt, max_tokens, **kw):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+        return default_llm.generate(prompt, params)[0].outputs[0]
+    return run
+
+
+def test_models_health_tokenize_detokenize(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    req = urllib.request.Request(server.url + "/tokenize", data=json.dumps({"prompt": "Hello world"}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    tokens = json.loads(urllib.request.urlopen(req).read())
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 512
+    req = urllib.request.Request(server.url + "/detokenize", data=json.dumps({"tokens": tokens["tokens"]}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    assert json.loads(urllib.request.urlopen(req).read())["prompt"] == "Hello world"
+
+
+def test_completion_streamed_and_not_equal_offline_greedy(client, reference):
+    prompt = "The capital of France is"
+    ref = reference(prompt, 24, ignore_eos=True)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 24 and out.usage.prompt_tokens == 5
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert len([c for c in chunks if c.choices]) > 2 and chunks[-1].usage.completion_tokens == 24
+    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith(prompt)
+
+
+def test_several_prompts_in_one_completion_request(client, reference):
+    prompts = ["Once upon a time", "The capital of France is"]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == [reference(p, 8).text for p in prompts]
+
+
+def test_chat_streamed_and_not(client, default_llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ref = default_llm.chat(messages, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=32, temperature=0)
+    assert out.choices[0].message.content == ref.text and out.choices[0].message.role == "assistant"
+    assert out.choices[0].finish_reason == ref.finish_reason
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_stop_strings_through_the_server(client, reference):
+    prompt = "The capital of France is"
+    full = reference(prompt, 24, ignore_eos=True).text
+    stop = full.split()[2]
+    for stream in (False, True):
+        res = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                                        stream=stream)
+        chunks = list(res) if stream else [res]
+        assert "".join(c.choices[0].text for c in chunks) == full[:full.index(stop)]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_32_concurrent_clients(server, default_llm):
+    prompts = [f"Count to {i}:" for i in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].text for o in default_llm.generate(prompts, params)]
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+        async def one(i, prompt):
+            if i % 2:
+                out = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                                       extra_body={"ignore_eos": True})
+                return out.choices[0].text
+            stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                                      stream=True, extra_body={"ignore_eos": True})
+            return "".join([c.choices[0].text async for c in stream])
+
+        try:
+            return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(main()) == expected
+    assert server.wait_idle()["mrv2:kv_cache_usage_perc"] == 0
+
+
+def test_a_client_killed_mid_stream_frees_its_request(server):
+    before = server.metrics()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    body = json.dumps({"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "temperature": 0,
+                       "stream": True, "ignore_eos": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                   "Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(3):
+        assert resp.readline().startswith(b"data: ")
+        resp.readline()
+    assert server.metrics()["mrv2:num_requests_running"] == 1
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client dies
+    conn.close()
+    after = server.wait_idle()
+    assert after["mrv2:num_requests_running"] == 0 and after["mrv2:kv_cache_usage_perc"] == 0
+    assert after["mrv2:generation_tokens_total"] - before["mrv2:generation_tokens_total"] < 400
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 600}, "max_tokens"),
+    ({"prompt": "", "max_tokens": 4}, "prompt"),
+    ({"prompt": "word " * 600}, "prompt"),
+    ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": "hi", "extra_body": {"top_k": -5}}, "top_k"),
+    ({"prompt": "hi", "extra_body": {"min_tokens": 99}}, "min_tokens"),
+    ({"prompt": "hi", "stop": [""]}, "stop"),
+    ({"prompt": "hi", "n": "two"}, "n"),
+])
+def test_bad_completion_requests_are_400_naming_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, **kwargs)
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_tokens"),
+    ({"messages": [{"role": "user"}]}, "messages"),
+])
+def test_bad_chat_requests_are_400_naming_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, **kwargs)
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+
+
+def test_malformed_json_unknown_model_and_wrong_key(server, client):
+    req = urllib.request.Request(server.url + "/v1/completions", data=b"{not json",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    assert e.value.code == 400 and "JSON" in json.loads(e.value.read())["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    for key in ("wrong", ""):
+        bad = openai.OpenAI(base_url=server.url + "/v1", api_key=key or "x", max_retries=0,
+                            default_headers={} if key else {"Authorization": ""})
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    assert urllib.request.urlopen(server.url + "/health").status == 200  # outside /v1: no key needed
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_metrics_count_tokens_and_latencies(server, client):
+    before = server.metrics()
+    client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = server.wait_idle()
+    assert after["mrv2:generation_tokens_total"] - before["mrv2:generation_tokens_total"] == 5
+    assert after["mrv2:prompt_tokens_total"] - before["mrv2:prompt_tokens_total"] == 5
+    assert after["mrv2:time_to_first_token_seconds_count"] - before["mrv2:time_to_first_token_seconds_count"] == 1
+    assert after["mrv2:inter_token_latency_seconds_count"] - before["mrv2:inter_token_latency_seconds_count"] == 4
+    assert after["mrv2:e2e_request_latency_seconds_count"] - before["mrv2:e2e_request_latency_seconds_count"] == 1
+    assert "mrv2:num_preemptions_total" in after
+
+
+def test_no_key_server_and_sigterm_mid_stream_exits_cleanly():
+    s = Server()
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="anything", max_retries=0)
+        assert c.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        stream = c.completions.create(model=MODEL, prompt="Tell me a story.", max_tokens=400, stream=True,
+                                      extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        t0 = time.monotonic()
+        assert s.stop() in (0, -signal.SIGTERM) and time.monotonic() - t0 < 30
+        assert list(chunks)[-1].choices[0].finish_reason == "abort"  # the stream ended, it was not cut
+        assert "Traceback" not in s.proc.stdout.read()
+    finally:
+        s.stop()
+    # No engine or server process is left behind.
+    alive = subprocess.run(["pgrep", "-f", f"--port {s.port}"], capture_output=True, text=True).stdout.split()
+    assert [p for p in alive if int(p) != os.getpid()] == []
