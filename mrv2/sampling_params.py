@@ -9,6 +9,8 @@ from typing import TypeVar
 # The one greedy rule: temperatures below this are greedy, as in vLLM (dividing by them
 # would overflow). Every greedy decision (request, batch flags, sampler rows) uses it.
 GREEDY_EPS = 1e-5
+# The most top alternatives a request may ask for per token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 
 _T = TypeVar("_T")
 
@@ -35,7 +37,9 @@ class SamplingParams:
     tokens whatever else is in the batch. Generation stops at an EOS (unless
     `ignore_eos`), at any of `stop_token_ids`, or once the text contains one of the
     `stop` strings, which is cut from the text unless `include_stop_str_in_output`;
-    neither applies before `min_tokens`. `spaces_between_special_tokens` joins special
+    neither applies before `min_tokens`. `logprobs` (0 to MAX_LOGPROBS) returns, per
+    generated token, its logprob and rank and those of the `logprobs` most likely
+    tokens, from the model's raw logits. `spaces_between_special_tokens` joins special
     tokens and the text around them with a space when they are not skipped.
     """
 
@@ -53,6 +57,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -91,6 +96,9 @@ class SamplingParams:
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mrv2.engine.detokenizer import IncrementalDetokenizer
-from mrv2.engine.outputs import CompletionOutput, RequestOutput
-from mrv2.engine.request import Request
+from mrv2.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from mrv2.engine.request import Request, TokenLogprobs
 from mrv2.sampling_params import RequestOutputKind
 
 
@@ -32,6 +32,22 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
+        self._token_texts: dict[int, str] = {}  # each token's text, decoded once
+
+    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        """The sampled token (with its rank) and the top alternatives (ranks 1..k), each with its text."""
+        ids, logprobs, rank = entry
+        out = {ids[0]: Logprob(logprobs[0], rank, self._token_text(ids[0]))}
+        for i, (t, lp) in enumerate(zip(ids[1:], logprobs[1:]), 1):
+            if t not in out:
+                out[t] = Logprob(lp, i, self._token_text(t))
+        return out
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def add_request(self, request: Request) -> None:
         params = request.sampling_params
@@ -60,6 +76,7 @@ class OutputProcessor:
                     excess = len(tokens) - state.num_processed  # tokens of the same step after the stop
                     if excess:
                         del request.output_token_ids[-excess:], request.all_token_ids[-excess:]
+                        del request.output_logprobs[len(request.output_token_ids):]
                     if not request.is_finished:
                         stopped.append(request)
                     break
@@ -78,13 +95,15 @@ class OutputProcessor:
             detok = state.detokenizer
             if state.kind == RequestOutputKind.FINAL_ONLY and not finished:
                 continue
-            if state.kind == RequestOutputKind.DELTA:
-                text, token_ids = detok.delta(finished), request.output_token_ids[state.num_sent:]
-                state.num_sent = len(request.output_token_ids)
-            else:
-                text, token_ids = detok.output_text(finished), list(request.output_token_ids)
+            first = state.num_sent if state.kind == RequestOutputKind.DELTA else 0
+            text = detok.delta(finished) if state.kind == RequestOutputKind.DELTA else detok.output_text(finished)
+            token_ids = request.output_token_ids[first:]
+            state.num_sent = len(request.output_token_ids)
+            logprobs = None
+            if request.sampling_params.logprobs is not None:
+                logprobs = [self._logprob_dict(entry) for entry in request.output_logprobs[first:]]
             stop_reason = detok.stop_str if detok.stop_str is not None else request.stop_reason
-            completion = CompletionOutput(0, text, list(token_ids), request.finish_reason, stop_reason)
+            completion = CompletionOutput(0, text, token_ids, request.finish_reason, stop_reason, logprobs)
             outputs.append(RequestOutput(request.req_id, request.prompt, request.prompt_token_ids,
                                          [completion], finished))
         return outputs

@@ -5,6 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability, its rank in the vocabulary (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
 class CompletionOutput:
     """One generated completion of a request."""
@@ -14,6 +23,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
     stop_reason: int | str | None = None
+    # Per token of `token_ids` when the request asked for logprobs: the sampled token and the top ones.
+    logprobs: list[dict[int, Logprob]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 from mrv2.sampling_params import SamplingParams
 
+TokenLogprobs = tuple[list[int], list[float], int]  # sampled token first, then the top ones; the sampled rank
+
 _arrival_counter = itertools.count()
 
 
@@ -78,6 +80,8 @@ class Request:
         self.num_output_placeholders = 0
         # Launched steps that scheduled this request and whose output is not processed yet.
         self.num_steps_in_flight = 0
+        # Per output token when the request asked for logprobs (see ModelRunnerOutput.logprobs).
+        self.output_logprobs: list[TokenLogprobs] = []
         # Draft tokens proposed for the next step (verified there, then cleared).
         self.spec_token_ids: list[int] = []
 
@@ -109,9 +113,11 @@ class Request:
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self.status)
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
 
     def check_stop(self, max_model_len: int | None = None) -> bool:
         """After appending a token: set a finished status and return True if the request is done."""

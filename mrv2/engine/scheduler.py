@@ -206,6 +206,7 @@ class Scheduler:
         aborted since its step was launched is discarded; a preempted request keeps it.
         """
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
+        logprobs = dict(zip(model_runner_output.req_ids, model_runner_output.logprobs or ()))
         updated = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id) or self._draining.get(req_id)
@@ -220,8 +221,9 @@ class Scheduler:
                     drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())
                     request.num_computed_tokens -= len(drafts) + 1 - len(token_ids)
                     was_running = request.status == RequestStatus.RUNNING
-                    for token_id in token_ids:
-                        request.append_output_token(token_id)
+                    token_logprobs = logprobs.get(req_id)
+                    for i, token_id in enumerate(token_ids):
+                        request.append_output_token(token_id, token_logprobs[i] if token_logprobs else None)
                         if request.check_stop(self.max_model_len):
                             if was_running:
                                 self.running.remove(request)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mrv2.engine.request import TokenLogprobs
 from mrv2.sampling_params import SamplingParams
 
 
@@ -68,3 +69,6 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
+    # Per request (None where it asked for none): per sampled token, (token ids, logprobs, rank):
+    # the sampled token first, then the request's top alternatives; rank is the sampled token's.
+    logprobs: list[list[TokenLogprobs] | None] | None = None

@@ -10,10 +10,39 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
-from mrv2.engine.scheduler_output import ModelRunnerOutput
+from mrv2.engine.scheduler_output import ModelRunnerOutput, TokenLogprobs
 from mrv2.platforms.device_queue import HostCopy, Pending
 from mrv2.runner.timing import StepTiming
+from mrv2.sample.logprobs import LogprobsTensors
+from mrv2.sampling_params import MAX_LOGPROBS
+
+
+class LogprobsHostBuffers:
+    """Host buffers one step's logprobs are copied into (a runner keeps one per step in flight)."""
+
+    def __init__(self, max_rows: int, pin_memory: bool) -> None:
+        width = 1 + MAX_LOGPROBS
+        self.token_ids = torch.zeros(max_rows * width, dtype=torch.int64, pin_memory=pin_memory)
+        self.logprobs = torch.zeros(max_rows * width, dtype=torch.float32, pin_memory=pin_memory)
+        self.ranks = torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin_memory)
+
+    def start(self, tensors: LogprobsTensors, event) -> "LogprobsCopy":
+        """Device work: copy `tensors` into these buffers (the event is recorded behind the last copy)."""
+        return LogprobsCopy(HostCopy.start(tensors.token_ids, self.token_ids, event),
+                            HostCopy.start(tensors.logprobs, self.logprobs, event),
+                            HostCopy.start(tensors.ranks, self.ranks, event))
+
+
+class LogprobsCopy:
+    """One step's logprobs on their way to the host, per logits row."""
+
+    def __init__(self, token_ids: HostCopy, logprobs: HostCopy, ranks: HostCopy) -> None:
+        self._copies = (token_ids, logprobs, ranks)
+
+    def wait(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return tuple(c.wait().numpy() for c in self._copies)  # type: ignore[return-value]
 
 
 class AsyncRunnerOutput:
@@ -21,15 +50,20 @@ class AsyncRunnerOutput:
 
     Without drafts the copy holds one id per request. With drafts it holds rows of
     [emitted count, tokens...], and `on_drafts(emitted counts)` runs on the host once
-    they are known (the runner corrects its host mirror there).
+    they are known (the runner corrects its host mirror there). `num_logprobs` (per
+    request, -1 for none) says how many alternatives each request gets when the step
+    computed logprobs; `rows_per_request` is its logits rows (1 + drafts).
     """
 
-    def __init__(self, req_ids: list[str], copy: Pending[HostCopy] | None, timing: StepTiming | None,
-                 on_drafts: Callable[[np.ndarray], None] | None = None) -> None:
+    def __init__(self, req_ids: list[str], copy: Pending[tuple[HostCopy, LogprobsCopy | None]] | None,
+                 timing: StepTiming | None, on_drafts: Callable[[np.ndarray], None] | None = None,
+                 num_logprobs: np.ndarray | None = None, rows_per_request: np.ndarray | None = None) -> None:
         self.req_ids = req_ids
         self._copy = copy
         self._timing = timing
         self._on_drafts = on_drafts
+        self._num_logprobs = num_logprobs
+        self._rows_per_request = rows_per_request
 
     @classmethod
     def empty(cls) -> "AsyncRunnerOutput":
@@ -40,9 +74,29 @@ class AsyncRunnerOutput:
         if self._copy is None:
             return ModelRunnerOutput([], [])
         with self._timing.phase("wait"):
-            host = self._copy.result().wait().numpy()
+            ids_copy, logprobs_copy = self._copy.result()
+            host = ids_copy.wait().numpy()
+            logprobs_host = logprobs_copy.wait() if logprobs_copy is not None else None
         if self._on_drafts is None:
-            return ModelRunnerOutput(self.req_ids, [[t] for t in host.tolist()])
-        counts = host[:, 0]
-        self._on_drafts(counts)
-        return ModelRunnerOutput(self.req_ids, [row[1:1 + m].tolist() for row, m in zip(host, counts)])
+            counts, sampled = None, [[t] for t in host.tolist()]
+        else:
+            counts = host[:, 0]
+            self._on_drafts(counts)
+            sampled = [row[1:1 + m].tolist() for row, m in zip(host, counts)]
+        logprobs = None if logprobs_host is None else self._logprobs(logprobs_host, sampled)
+        return ModelRunnerOutput(self.req_ids, sampled, logprobs)
+
+    def _logprobs(self, host: tuple[np.ndarray, np.ndarray, np.ndarray],
+                  sampled: list[list[int]]) -> list[list[TokenLogprobs] | None]:
+        """Per request that asked: one entry per emitted token (its logits rows come first, in order)."""
+        ids, lps, ranks = host  # [rows, 1 + k], [rows, 1 + k], [rows]
+        starts = np.cumsum(self._rows_per_request) - self._rows_per_request
+        out: list[list[TokenLogprobs] | None] = []
+        for i, k in enumerate(self._num_logprobs.tolist()):
+            if k < 0:
+                out.append(None)
+                continue
+            r0 = int(starts[i])
+            out.append([(ids[r, :1 + k].tolist(), lps[r, :1 + k].tolist(), int(ranks[r]))
+                        for r in range(r0, r0 + len(sampled[i]))])
+        return out

@@ -26,7 +26,7 @@ from mrv2.kv_spec import KVCacheSpec
 from mrv2.models.registry import attention_kind, build_model
 from mrv2.platforms import Platform
 from mrv2.platforms.device_queue import HostCopy, Pending
-from mrv2.runner.async_output import AsyncRunnerOutput
+from mrv2.runner.async_output import AsyncRunnerOutput, LogprobsCopy, LogprobsHostBuffers
 from mrv2.runner.block_table import BlockTables
 from mrv2.runner.graphs.descriptor import BatchDescriptor
 from mrv2.runner.graphs.model_graphs import ModelGraphs
@@ -35,6 +35,7 @@ from mrv2.runner.kv_cache import KVCache, allocate_kv_cache
 from mrv2.runner.states import RequestStates
 from mrv2.runner.timing import StepTiming
 from mrv2.sample.draft_verify import verify_drafts
+from mrv2.sample.logprobs import compute_logprobs
 from mrv2.sample.metadata import SamplingFlags
 from mrv2.sample.sampler import Sampler
 from mrv2.sample.states import SamplingStates
@@ -95,6 +96,7 @@ class ModelRunner:
         # With drafts a row holds its emitted count and up to 1 + drafts tokens: at most 2 per token.
         self._host_out = [torch.zeros(2 * self.max_num_tokens + self.max_num_reqs, dtype=torch.int64, pin_memory=pin)
                           for _ in range(2)]
+        self._host_logprobs = [LogprobsHostBuffers(self.max_num_tokens, pin) for _ in range(2)]
         self._next_host_out = 0
 
     # -- set-up --
@@ -228,24 +230,31 @@ class ModelRunner:
         if pending is None:
             return AsyncRunnerOutput.empty()
         host = self._host_out[self._next_host_out]
+        host_logprobs = self._host_logprobs[self._next_host_out]
         self._next_host_out ^= 1
         event = self.platform.new_event()
+        num_logprobs = pending.flags.num_logprobs
 
-        def sample() -> HostCopy:
+        def sample() -> tuple[HostCopy, LogprobsCopy | None]:
             batch, logits = pending.forward.result()
             with self.timing.phase("sample"):
                 # Per logits row: its request's slot and the position of the token it samples.
                 slots = batch.idx_mapping[batch.logits_rows]
                 positions = self.states.num_tokens[slots].long() + batch.logits_offsets
+                # From the raw logits: the sampler masks them in place.
+                raw_logprobs = logits.log_softmax(dim=-1) if num_logprobs is not None else None
                 sampled = self.sampler(logits, self.sampling.metadata(pending.flags, slots, positions))
+                logprobs = None if raw_logprobs is None else \
+                    host_logprobs.start(compute_logprobs(raw_logprobs, sampled, num_logprobs), event)
                 if not batch.max_drafts:
                     self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, sampled)
-                    return HostCopy.start(sampled, host, event)
+                    return HostCopy.start(sampled, host, event), logprobs
                 tokens, num_emitted = verify_drafts(sampled, batch.input_ids, batch.logits_indices,
                                                     batch.logits_start, batch.num_drafts, batch.max_drafts)
                 self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, tokens, num_emitted,
                                                batch.num_drafts)
-                return HostCopy.start(torch.cat([num_emitted[:, None].long(), tokens], dim=1), host, event)
+                ids = HostCopy.start(torch.cat([num_emitted[:, None].long(), tokens], dim=1), host, event)
+                return ids, logprobs
 
         plan = pending.plan
 
@@ -253,8 +262,9 @@ class ModelRunner:
             # The host mirror counted every draft: take the rejected ones back out.
             self.states.reject_host(plan.idx_cpu, plan.num_drafts_cpu + 1 - num_emitted)
 
+        wanted = self.sampling.num_logprobs_cpu[plan.idx_cpu] if num_logprobs is not None else None
         return AsyncRunnerOutput(plan.req_ids, self._launch(sample), self.timing,
-                                 reject_drafts if plan.max_drafts else None)
+                                 reject_drafts if plan.max_drafts else None, wanted, plan.num_drafts_cpu + 1)
 
     def _launch(self, work: Callable[[], T]) -> Pending[T]:
         if not self.queue.synchronous:

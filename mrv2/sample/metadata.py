@@ -81,6 +81,7 @@ class SamplingFlags:
     no_min_p: bool
     max_top_k: int | None
     any_min_tokens: bool = False
+    num_logprobs: int | None = None  # the most alternatives a row asks for; None: no row wants logprobs
 
 
 def host_flags(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,

@@ -25,7 +25,7 @@ _PARAMS = ("temperature", "top_k", "top_p", "min_p", "seeds")
 
 
 class SamplingStates:
-    """Temperature, top-k, top-p, min-p, seed and min_tokens state of every slot, device and host mirror."""
+    """Temperature, top-k, top-p, min-p, seed, min_tokens and logprobs state of every slot, device and host mirror."""
 
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device, pin_memory: bool,
                  seed: int = 0) -> None:
@@ -46,6 +46,7 @@ class SamplingStates:
         self.top_k_cpu = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p_cpu = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p_cpu = np.zeros(max_num_reqs, dtype=np.float32)
+        self.num_logprobs_cpu = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: no logprobs (host only)
 
         self._writers = {name: StagedScalarWriter(getattr(self, name), pin_memory) for name in _PARAMS}
         self.min_tokens = MinTokensState(max_num_reqs, device, pin_memory)
@@ -66,6 +67,7 @@ class SamplingStates:
         self.top_k_cpu[slot] = top_k
         self.top_p_cpu[slot] = params.top_p
         self.min_p_cpu[slot] = params.min_p
+        self.num_logprobs_cpu[slot] = -1 if params.logprobs is None else params.logprobs
         self.min_tokens.add_request(slot, params.min_tokens, prompt_len,
                                     list(eos_token_ids) + list(params.stop_token_ids))
 
@@ -79,9 +81,11 @@ class SamplingStates:
 
     def host_flags(self, idx_cpu: np.ndarray) -> SamplingFlags:
         """Host work at launch: what the sampler may skip for the requests in batch order `idx_cpu`."""
+        num_logprobs = int(self.num_logprobs_cpu[idx_cpu].max()) if len(idx_cpu) else -1
         return SamplingFlags(**host_flags(self.temperature_cpu[idx_cpu], self.top_k_cpu[idx_cpu],
                                           self.top_p_cpu[idx_cpu], self.min_p_cpu[idx_cpu], self.vocab_size),
-                             any_min_tokens=self.min_tokens.any_active(idx_cpu))
+                             any_min_tokens=self.min_tokens.any_active(idx_cpu),
+                             num_logprobs=num_logprobs if num_logprobs >= 0 else None)
 
     def metadata(self, flags: SamplingFlags, idx_mapping: torch.Tensor, positions: torch.Tensor) -> SamplingMetadata:
         """Device work: the batch's rows gathered through `idx_mapping`, with the flags of its launch.

@@ -149,6 +149,36 @@ def test_chat_streamed_and_not(client, default_llm):
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
 
 
+def test_logprobs_in_completions_and_chat(client, default_llm):
+    prompt = "The capital of France is"
+    ref = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                      logprobs=3))[0].outputs[0]
+    ref_lps = [e[t].logprob for t, e in zip(ref.token_ids, ref.logprobs)]
+    for stream in (False, True):
+        res = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+                                        stream=stream, extra_body={"ignore_eos": True})
+        chunks = [c for c in res if c.choices] if stream else [res]
+        lp = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+        tokens = [t for x in lp for t in x.tokens]
+        assert tokens == [ref.logprobs[i][t].decoded_token for i, t in enumerate(ref.token_ids)]
+        assert [v for x in lp for v in x.token_logprobs] == pytest.approx(ref_lps, abs=1e-5)
+        assert all(len(d) >= 3 for x in lp for d in x.top_logprobs)
+        assert [o for x in lp for o in x.text_offset][0] == 0
+    messages = [{"role": "user", "content": "Name a planet."}]
+    for stream in (False, True):
+        res = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                             logprobs=True, top_logprobs=2, stream=stream)
+        chunks = list(res) if stream else [res]
+        content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+        assert len(content) == 5
+        for t in content:
+            assert [a.token for a in t.top_logprobs][:1] == [t.token] and len(t.top_logprobs) == 2  # greedy: rank 1
+            assert t.bytes == list(t.token.encode()) and t.logprob <= 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
+
+
 def test_stop_strings_through_the_server(client, reference):
     prompt = "The capital of France is"
     full = reference(prompt, 24, ignore_eos=True).text
@@ -219,6 +249,9 @@ def test_a_client_killed_mid_stream_frees_its_request(server):
     ({"prompt": "hi", "extra_body": {"min_tokens": 99}}, "min_tokens"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
     ({"prompt": "hi", "n": "two"}, "n"),
+    ({"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
 ])
 def test_bad_completion_requests_are_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:

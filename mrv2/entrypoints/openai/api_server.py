@@ -30,6 +30,7 @@ from mrv2.engine.arg_utils import engine_kwargs
 from mrv2.engine.async_llm import AsyncLLM, EngineDeadError
 from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.openai.args import DEFAULT_SERVED_NAME
+from mrv2.entrypoints.openai.logprobs_format import chat_logprobs, completion_logprobs
 from mrv2.entrypoints.openai.metrics import PrometheusStatLogger
 from mrv2.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                               InvalidRequest, TokenizeRequest)
@@ -162,9 +163,10 @@ class OpenAIServing:
             tok = self.llm.tokenizer
             texts = [t if t is not None else tok.decode(p["prompt_token_ids"]) for t, p in zip(texts, prompts)]
 
-        def chunk(index: int, text: str, finish: str | None, stop_reason: Any) -> dict[str, Any]:
+        def chunk(index: int, text: str, finish: str | None, stop_reason: Any,
+                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
             return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish,
+                    "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                                  "stop_reason": stop_reason}]}
 
         if body.stream:
@@ -173,14 +175,19 @@ class OpenAIServing:
             async def events() -> AsyncIterator[str]:
                 completion_tokens = [0] * len(streams)
                 echoed = [not body.echo] * len(streams)
+                offsets = [0] * len(streams)
                 try:
                     async for i, out in _Merged(streams):
                         c = out.outputs[0]
                         completion_tokens[i] += len(c.token_ids)
                         text = c.text if echoed[i] else texts[i] + c.text
                         echoed[i] = True
-                        if text or c.finish_reason is not None:
-                            yield _sse(chunk(i, text, c.finish_reason, c.stop_reason))
+                        logprobs = None
+                        if c.logprobs is not None:
+                            logprobs = completion_logprobs(c.token_ids, c.logprobs, offsets[i])
+                            offsets[i] += len(text)
+                        if text or c.token_ids or c.finish_reason is not None:
+                            yield _sse(chunk(i, text, c.finish_reason, c.stop_reason, logprobs))
                     if include_usage:
                         yield _sse(self._usage_chunk(request_id, "text_completion", created, prompt_lens,
                                                      completion_tokens))
@@ -194,8 +201,9 @@ class OpenAIServing:
 
         finals = await self._collect(streams, raw)
         choices = []
-        for i, (text, token_ids, finish, stop_reason) in enumerate(finals):
-            choices.append({"index": i, "text": (texts[i] if body.echo else "") + text, "logprobs": None,
+        for i, (text, token_ids, finish, stop_reason, logprobs) in enumerate(finals):
+            choices.append({"index": i, "text": (texts[i] if body.echo else "") + text,
+                            "logprobs": None if logprobs is None else completion_logprobs(token_ids, logprobs, 0),
                             "finish_reason": finish, "stop_reason": stop_reason})
         return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                              "choices": choices,
@@ -218,8 +226,9 @@ class OpenAIServing:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            def chunk(delta: dict[str, Any], finish: str | None = None, stop_reason: Any = None) -> dict[str, Any]:
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            def chunk(delta: dict[str, Any], finish: str | None = None, stop_reason: Any = None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 if finish is not None:
                     choice["stop_reason"] = stop_reason
                 return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -232,8 +241,10 @@ class OpenAIServing:
                     async for _, out in _Merged(streams):
                         c = out.outputs[0]
                         completion_tokens += len(c.token_ids)
-                        if c.text:
-                            yield _sse(chunk({"content": c.text}))
+                        if c.text or (c.logprobs and c.token_ids):
+                            logprobs = None if c.logprobs is None else \
+                                chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)
+                            yield _sse(chunk({"content": c.text}, logprobs=logprobs))
                         if c.finish_reason is not None:
                             yield _sse(chunk({}, c.finish_reason, c.stop_reason))
                     if include_usage:
@@ -247,10 +258,12 @@ class OpenAIServing:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        (text, token_ids, finish, stop_reason), = await self._collect(streams, raw)
+        (text, token_ids, finish, stop_reason, logprobs), = await self._collect(streams, raw)
+        if logprobs is not None:
+            logprobs = chat_logprobs(token_ids, logprobs, body.top_logprobs or 0)
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                          "finish_reason": finish, "stop_reason": stop_reason}],
             "usage": self._usage(prompt_lens, [len(token_ids)])})
 
@@ -259,14 +272,17 @@ class OpenAIServing:
     async def _collect(self, streams: list[AsyncIterator[RequestOutput]], raw: Request) -> list[tuple]:
         """Run the requests to the end; a client that disconnects meanwhile aborts them."""
         texts, tokens = [""] * len(streams), [[] for _ in streams]
-        finals: list[tuple] = [("", [], None, None)] * len(streams)
+        logprobs: list[list | None] = [None] * len(streams)
+        finals: list[tuple] = [("", [], None, None, None)] * len(streams)
         merged = _Merged(streams).__aiter__()
         try:
             async for i, out in merged:
                 c = out.outputs[0]
                 texts[i] += c.text
                 tokens[i] += c.token_ids
-                finals[i] = (texts[i], tokens[i], c.finish_reason, c.stop_reason)
+                if c.logprobs is not None:
+                    logprobs[i] = (logprobs[i] or []) + c.logprobs
+                finals[i] = (texts[i], tokens[i], c.finish_reason, c.stop_reason, logprobs[i])
                 if await raw.is_disconnected():
                     raise asyncio.CancelledError
         finally:

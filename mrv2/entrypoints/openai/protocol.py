@@ -68,6 +68,9 @@ class _SamplingRequest(BaseModel):
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def _logprobs(self) -> int | None:
+        return None
+
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """SamplingParams for this request (streamed outputs as deltas); InvalidRequest names a bad field."""
         for name, neutral in self._unsupported().items():
@@ -87,7 +90,7 @@ class _SamplingRequest(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
-                output_kind=RequestOutputKind.DELTA)
+                logprobs=self._logprobs(), output_kind=RequestOutputKind.DELTA)
         except ValueError as e:
             raise InvalidRequest(str(e), str(e).split(" ", 1)[0]) from None
 
@@ -103,7 +106,13 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
 
     def _unsupported(self) -> dict[str, Any]:
-        return super()._unsupported() | {"logprobs": None, "suffix": None}
+        return super()._unsupported() | {"suffix": None}
+
+    def _logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest("echo with logprobs needs the prompt's logprobs, which are not supported yet",
+                                 "echo")
+        return self.logprobs
 
     def prompts(self) -> list[dict[str, Any]]:
         """The prompts as engine inputs: text or token ids, one request each."""
@@ -156,8 +165,12 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: dict[str, Any] | None = None
 
     def _unsupported(self) -> dict[str, Any]:
-        return super()._unsupported() | {"logprobs": False, "top_logprobs": None, "tools": None,
-                                         "response_format": None}
+        return super()._unsupported() | {"tools": None, "response_format": None}
+
+    def _logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs to be true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
