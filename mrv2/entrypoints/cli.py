@@ -168,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(tp)
     tp.set_defaults(func=run_throughput)
 
+    from mrv2.bench.serve import add_args as add_serve_args, run as run_serve
+
+    sv = bench_sub.add_parser("serve", help="load an OpenAI-compatible server: throughput, TTFT/TPOT/ITL per load")
+    add_serve_args(sv)
+    add_engine_args(sv)
+    sv.set_defaults(func=run_serve)
+
     from mrv2.bench.mla import add_args as add_mla_args, run as run_mla
 
     mla = bench_sub.add_parser("mla", help="MLA KV bytes per token and decode step time, absorbed vs up-projected")
