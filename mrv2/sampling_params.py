@@ -11,6 +11,8 @@ from typing import TypeVar
 GREEDY_EPS = 1e-5
 # The most top alternatives a request may ask for per token (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# The most (token id, bias) pairs a request's logit_bias may hold.
+MAX_LOGIT_BIAS = 1024
 
 _T = TypeVar("_T")
 
@@ -39,7 +41,11 @@ class SamplingParams:
     `stop` strings, which is cut from the text unless `include_stop_str_in_output`;
     neither applies before `min_tokens`. `logprobs` (0 to MAX_LOGPROBS) returns, per
     generated token, its logprob and rank and those of the `logprobs` most likely
-    tokens, from the model's raw logits. `spaces_between_special_tokens` joins special
+    tokens, from the model's raw logits. Penalties follow vLLM (and OpenAI):
+    presence and frequency penalties in [-2, 2] act on the output's tokens, a
+    repetition penalty > 0 (1: off) on the prompt's and the output's; `logit_bias`
+    adds to chosen ids' logits (at most MAX_LOGIT_BIAS, each in [-100, 100]);
+    `allowed_token_ids` restricts sampling to those ids. `spaces_between_special_tokens` joins special
     tokens and the text around them with a space when they are not skipped.
     """
 
@@ -49,6 +55,11 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: str | list[str] | None = None
@@ -96,6 +107,22 @@ class SamplingParams:
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases")
+            for t, b in self.logit_bias.items():
+                if not isinstance(t, int) or t < 0 or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias maps token ids (>= 0) to biases in [-100, 100], got {t!r}: {b!r}")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

@@ -65,7 +65,7 @@ class StagedRowWriter(_Writer):
         self._values: list[np.ndarray] = []
 
     def stage(self, row: int, start: int, values) -> None:
-        values = np.asarray(values, dtype=np.int64)
+        values = np.asarray(values)  # converted to the target's dtype when packed
         if values.size == 0:
             return
         if start < 0 or start + values.size > self.target.shape[1]:

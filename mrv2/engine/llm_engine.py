@@ -160,6 +160,11 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        vocab = self.runner.model.config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids)):
+            if bad := [t for t in ids if t >= vocab]:
+                raise ValueError(f"{name} holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         text, ids = self.tokenize(prompt)
         self.scheduler.validate_prompt(ids)
         # Every EOS id (Llama 3's <|eot_id|> too) is EOS: ignore_eos ignores them all.

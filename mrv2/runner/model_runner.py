@@ -204,7 +204,8 @@ class ModelRunner:
             spec = sched.scheduled_spec_decode_tokens
             drafts = [spec.get(r, []) for r in req_ids] if spec else None
             plan = self.inputs.plan(req_ids, idx, num_scheduled, self.states.num_computed_cpu, padding, drafts)
-            flags = self.sampling.host_flags(idx)
+            history = int((self.states.num_tokens_cpu[idx] + plan.num_drafts_cpu).max()) + 1
+            flags = self.sampling.host_flags(idx, history)
             self.states.advance_host(idx, num_scheduled, plan.num_drafts_cpu if drafts else None)
         forward = self._launch(partial(self._forward, writes, plan, desc))
         self._pending = _PendingStep(plan, forward, flags)
@@ -243,7 +244,8 @@ class ModelRunner:
                 positions = self.states.num_tokens[slots].long() + batch.logits_offsets
                 # From the raw logits: the sampler masks them in place.
                 raw_logprobs = logits.log_softmax(dim=-1) if num_logprobs is not None else None
-                sampled = self.sampler(logits, self.sampling.metadata(pending.flags, slots, positions))
+                metadata = self.sampling.metadata(pending.flags, slots, positions, self.states.token_ids)
+                sampled = self.sampler(logits, metadata)
                 logprobs = None if raw_logprobs is None else \
                     host_logprobs.start(compute_logprobs(raw_logprobs, sampled, num_logprobs), event)
                 if not batch.max_drafts:

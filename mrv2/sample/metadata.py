@@ -8,7 +8,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from mrv2.sample.logit_bias import LogitBiasMetadata
 from mrv2.sample.min_tokens import MinTokensMetadata
+from mrv2.sample.penalties import PenaltiesMetadata
 from mrv2.sampling_params import is_greedy
 
 
@@ -24,7 +26,8 @@ class SamplingMetadata:
     `max_top_k`, when set, bounds the effective top-k of every row that uses top-k or
     top-p (a top-p row without top-k counts as the vocab size); below the vocab size it
     replaces the full sort with `torch.topk`. `min_tokens` is None when no row has a
-    minimum to enforce (see `mrv2.sample.min_tokens`).
+    minimum to enforce (see `mrv2.sample.min_tokens`); `penalties`, `logit_bias` and
+    `allowed_tokens` likewise when no row uses them (see their modules).
     """
 
     temperature: torch.Tensor
@@ -40,6 +43,9 @@ class SamplingMetadata:
     no_min_p: bool
     max_top_k: int | None = None
     min_tokens: MinTokensMetadata | None = None
+    penalties: PenaltiesMetadata | None = None
+    logit_bias: LogitBiasMetadata | None = None
+    allowed_tokens: torch.Tensor | None = None  # bool [B, V]
 
     @classmethod
     def from_lists(
@@ -82,6 +88,10 @@ class SamplingFlags:
     max_top_k: int | None
     any_min_tokens: bool = False
     num_logprobs: int | None = None  # the most alternatives a row asks for; None: no row wants logprobs
+    any_penalties: bool = False
+    any_logit_bias: bool = False
+    any_allowed_tokens: bool = False
+    history_len: int = 0  # an upper bound on the tokens before any row's sampled position (penalties)
 
 
 def host_flags(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,

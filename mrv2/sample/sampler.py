@@ -1,16 +1,21 @@
 """Logits to token ids: greedy rows take the argmax, the others a filtered Gumbel-max draw.
 
-Filters follow vLLM: min_tokens first (on the raw logits, in place), then temperature,
-then min-p, top-k, top-p on the scaled logits, each masking with -inf. All ops run on the logits' device without syncing the host.
+The order follows vLLM: on the raw logits, in place, allowed_token_ids, min_tokens,
+logit_bias, then the repetition/frequency/presence penalties; then temperature, and
+min-p, top-k, top-p on the scaled logits, each masking with -inf. All ops run on the
+logits' device without syncing the host.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mrv2.sample.allowed_tokens import apply_allowed_tokens
 from mrv2.sample.gumbel import gumbel_sample
+from mrv2.sample.logit_bias import apply_logit_bias
 from mrv2.sample.metadata import SamplingMetadata
 from mrv2.sample.min_tokens import apply_min_tokens
+from mrv2.sample.penalties import apply_penalties
 from mrv2.sampling_params import GREEDY_EPS, is_greedy
 
 _NEG_INF = float("-inf")
@@ -110,8 +115,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         md = metadata
-        if md.min_tokens is not None:  # before anything else, greedy rows included
+        # On the raw logits, greedy rows included.
+        if md.allowed_tokens is not None:
+            apply_allowed_tokens(logits, md.allowed_tokens)
+        if md.min_tokens is not None:
             apply_min_tokens(logits, md.min_tokens, md.positions)
+        if md.logit_bias is not None:
+            apply_logit_bias(logits, md.logit_bias)
+        if md.penalties is not None:
+            apply_penalties(logits, md.penalties, md.positions)
         if md.all_greedy:
             return greedy_argmax(logits)
         # Greedy rows go through the random path too (their draws are discarded), so

@@ -179,6 +179,20 @@ def test_logprobs_in_completions_and_chat(client, default_llm):
     assert e.value.body["param"] == "top_logprobs"
 
 
+def test_penalties_bias_and_allowed_ids_through_the_server(client, default_llm):
+    prompt = "The capital of France is"
+    kw = dict(presence_penalty=0.5, frequency_penalty=1.0, logit_bias={7042: -100})
+    ref = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                      repetition_penalty=1.2, **kw))[0].outputs[0]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                    presence_penalty=0.5, frequency_penalty=1.0, logit_bias={"7042": -100},
+                                    extra_body={"ignore_eos": True, "repetition_penalty": 1.2})
+    assert out.choices[0].text == ref.text and "Paris" not in ref.text
+    allowed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=1,
+                                        logprobs=0, extra_body={"allowed_token_ids": [7042, 30]})
+    assert set(allowed.choices[0].logprobs.tokens) <= {" Paris", "."}
+
+
 def test_stop_strings_through_the_server(client, reference):
     prompt = "The capital of France is"
     full = reference(prompt, 24, ignore_eos=True).text
@@ -251,7 +265,10 @@ def test_a_client_killed_mid_stream_frees_its_request(server):
     ({"prompt": "hi", "n": "two"}, "n"),
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),
     ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "hi", "extra_body": {"allowed_token_ids": [10**9]}}, "allowed_token_ids"),
+    ({"prompt": "hi", "extra_body": {"bad_words": ["x"]}}, "bad_words"),
 ])
 def test_bad_completion_requests_are_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:

@@ -96,11 +96,13 @@ def _run_guarded(llm: LLM, prompts, params) -> list[list[int]]:
 
 
 PROMPTS = [{"prompt_token_ids": [(11 * i + 5 * j) % 500 + 3 for j in range(4 + 5 * i)]} for i in range(5)]
-# Greedy, seeded random with every filter, plain random: every sampler branch.
+# Greedy, seeded random with every filter, plain random, and penalties, logit bias, allowed ids and
+# logprobs: every sampler branch.
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=3, max_tokens=12, ignore_eos=True),
-          SamplingParams(temperature=1.0, seed=4, max_tokens=9, ignore_eos=True),
-          SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+          SamplingParams(temperature=1.0, seed=4, max_tokens=9, ignore_eos=True, allowed_token_ids=list(range(3, 300))),
+          SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.5,
+                         presence_penalty=0.3, logit_bias={5: 2.0}, logprobs=2),
           SamplingParams(temperature=0.7, top_p=0.8, seed=5, max_tokens=12, ignore_eos=True)]
 
 

@@ -62,8 +62,7 @@ class _SamplingRequest(BaseModel):
 
     def _unsupported(self) -> dict[str, Any]:
         """Fields set to a value mrv2 cannot honour yet (name -> neutral value)."""
-        return {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "repetition_penalty": 1.0,
-                "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": None}
+        return {"prompt_logprobs": None, "bad_words": None}
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -80,11 +79,19 @@ class _SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
         max_tokens = self._max_tokens()
+        logit_bias = None
+        if self.logit_bias:
+            try:
+                logit_bias = {int(t): b for t, b in self.logit_bias.items()}
+            except ValueError:
+                raise InvalidRequest("logit_bias keys must be token ids", "logit_bias") from None
         try:
             return SamplingParams(
                 n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                min_p=self.min_p or 0.0, seed=self.seed,
+                min_p=self.min_p or 0.0, seed=self.seed, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
                 max_tokens=default_max_tokens if max_tokens is None else max_tokens, min_tokens=self.min_tokens,
                 stop=self.stop, stop_token_ids=self.stop_token_ids or [],
                 include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
