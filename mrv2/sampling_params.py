@@ -11,6 +11,8 @@ from typing import TypeVar
 GREEDY_EPS = 1e-5
 # The most top alternatives a request may ask for per token (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# The most completions one request may ask for.
+MAX_N = 128
 # The most (token id, bias) pairs a request's logit_bias may hold.
 MAX_LOGIT_BIAS = 1024
 
@@ -41,7 +43,8 @@ class SamplingParams:
     `stop` strings, which is cut from the text unless `include_stop_str_in_output`;
     neither applies before `min_tokens`. `logprobs` (0 to MAX_LOGPROBS) returns, per
     generated token, its logprob and rank and those of the `logprobs` most likely
-    tokens, from the model's raw logits. Penalties follow vLLM (and OpenAI):
+    tokens, from the model's raw logits. `n` completions are sampled for the prompt
+    (completion i of a seeded request uses seed + i). Penalties follow vLLM (and OpenAI):
     presence and frequency penalties in [-2, 2] act on the output's tokens, a
     repetition penalty > 0 (1: off) on the prompt's and the output's; `logit_bias`
     adds to chosen ids' logits (at most MAX_LOGIT_BIAS, each in [-100, 100]);
@@ -83,8 +86,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -173,12 +173,25 @@ class LLMEngine:
         return request
 
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
-        self.output_processor.add_request(request)
+        """Queue a request; one with n > 1 runs as n children (completion i of a seeded one uses seed + i)."""
+        params = request.sampling_params
+        if self.output_processor.has_request(request.req_id):
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        if params.n == 1:
+            self.scheduler.add_request(request)
+            self.output_processor.add_request(request)
+            return
+        for i in range(params.n):
+            child = Request(f"{i}_{request.req_id}", request.prompt_token_ids,
+                            replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+                            request.eos_token_ids, request.max_model_len, request.arrival_time)
+            child.prompt = request.prompt
+            self.scheduler.add_request(child)
+            self.output_processor.add_request(child, request, i)
 
     def abort(self, request_ids: list[str]) -> None:
         """End these requests now (unknown or finished ids are ignored); their blocks return."""
-        self.scheduler.abort_requests(request_ids)
+        self.scheduler.abort_requests(self.output_processor.child_ids(request_ids))
         self.output_processor.remove(request_ids)
 
     def has_unfinished_requests(self) -> bool:

@@ -5,11 +5,13 @@ requests that got tokens; their new tokens go through the request's
 `IncrementalDetokenizer`, and a request whose text reached a stop string is
 reported back so that the engine ends it in the scheduler (its blocks return at
 once). Outputs follow the request's `output_kind`: cumulative, delta or final only.
+A request with n > 1 runs as n child requests; their outputs come back under the
+parent's id, each completion with its index (final only: all n in one output).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mrv2.engine.detokenizer import IncrementalDetokenizer
@@ -19,9 +21,21 @@ from mrv2.sampling_params import RequestOutputKind
 
 
 @dataclass
+class _Parent:
+    """A request with n > 1: its children's ids and their latest completions."""
+
+    request: Request
+    child_ids: list[str]
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    num_finished: int = 0
+
+
+@dataclass
 class _RequestState:
     detokenizer: IncrementalDetokenizer
     kind: RequestOutputKind
+    index: int = 0  # the completion's index within its parent
+    parent: _Parent | None = None
     num_processed: int = 0  # output tokens already through the detokenizer
     num_sent: int = 0  # output tokens already in a DELTA output
 
@@ -33,6 +47,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
         self._token_texts: dict[int, str] = {}  # each token's text, decoded once
+        self._parents: dict[str, _Parent] = {}
 
     def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         """The sampled token (with its rank) and the top alternatives (ranks 1..k), each with its text."""
@@ -49,17 +64,37 @@ class OutputProcessor:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, parent: Request | None = None, index: int = 0) -> None:
+        """Track `request`; a child of a request with n > 1 names its `parent` and completion `index`."""
         params = request.sampling_params
+        record = None
+        if parent is not None:
+            record = self._parents.get(parent.req_id)
+            if record is None:
+                record = self._parents[parent.req_id] = _Parent(parent, [])
+            record.child_ids.append(request.req_id)
         self._states[request.req_id] = _RequestState(
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params), params.output_kind)
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params), params.output_kind, index,
+            record)
+
+    def child_ids(self, req_ids: list[str]) -> list[str]:
+        """The engine's request ids behind these (a parent's children; others as given)."""
+        out = []
+        for req_id in req_ids:
+            parent = self._parents.get(req_id)
+            out += parent.child_ids if parent is not None else [req_id]
+        return out
 
     def remove(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
-            self._states.pop(req_id, None)
+            parent = self._parents.pop(req_id, None)
+            for child in parent.child_ids if parent is not None else [req_id]:
+                state = self._states.pop(child, None)
+                if state is not None and state.parent is not None:
+                    self._parents.pop(state.parent.request.req_id, None)
 
     def has_request(self, req_id: str) -> bool:
-        return req_id in self._states
+        return req_id in self._states or req_id in self._parents
 
     def detokenize(self, requests: list[Request]) -> list[Request]:
         """Feed each request's new tokens to its detokenizer; return the unfinished requests whose
@@ -103,7 +138,26 @@ class OutputProcessor:
             if request.sampling_params.logprobs is not None:
                 logprobs = [self._logprob_dict(entry) for entry in request.output_logprobs[first:]]
             stop_reason = detok.stop_str if detok.stop_str is not None else request.stop_reason
-            completion = CompletionOutput(0, text, token_ids, request.finish_reason, stop_reason, logprobs)
-            outputs.append(RequestOutput(request.req_id, request.prompt, request.prompt_token_ids,
-                                         [completion], finished))
+            completion = CompletionOutput(state.index, text, token_ids, request.finish_reason, stop_reason, logprobs)
+            if state.parent is None:
+                outputs.append(RequestOutput(request.req_id, request.prompt, request.prompt_token_ids,
+                                             [completion], finished))
+            elif (out := self._parent_output(state.parent, completion, finished, state.kind)) is not None:
+                outputs.append(out)
         return outputs
+
+    def _parent_output(self, parent: _Parent, completion: CompletionOutput, finished: bool,
+                       kind: RequestOutputKind) -> RequestOutput | None:
+        """A child's completion as its parent's output; final only: once, with all n completions."""
+        parent.num_finished += finished
+        done = parent.num_finished == len(parent.child_ids)
+        if done:
+            del self._parents[parent.request.req_id]
+        r = parent.request
+        if kind != RequestOutputKind.FINAL_ONLY:
+            return RequestOutput(r.req_id, r.prompt, r.prompt_token_ids, [completion], done)
+        parent.completions[completion.index] = completion
+        if not done:
+            return None
+        return RequestOutput(r.req_id, r.prompt, r.prompt_token_ids,
+                             [parent.completions[i] for i in sorted(parent.completions)], True)

@@ -46,12 +46,18 @@ class RequestTimes:
     first_token: float | None = None
     last_token: float | None = None
     num_generated: int = 0
+    generated_by_index: dict[int, int] = field(default_factory=dict)  # per completion (n > 1)
 
     def record(self, out: RequestOutput, now: float, stats: IterationStats) -> None:
         """Account for `out`, the request's newest output, produced at `now`."""
+        new = 0
+        for completion in out.outputs:
+            before = self.generated_by_index.get(completion.index, 0)
+            total = before + len(completion.token_ids) if self.kind == RequestOutputKind.DELTA else \
+                len(completion.token_ids)
+            self.generated_by_index[completion.index] = total
+            new += total - before
         completion = out.outputs[0]
-        new = len(completion.token_ids) if self.kind == RequestOutputKind.DELTA else \
-            len(completion.token_ids) - self.num_generated
         if new > 0:
             if self.first_token is None:
                 self.first_token = now

@@ -14,27 +14,6 @@ from mrv2.sampling_params import RequestOutputKind
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at"]
 
 
-class Recorder:
-    def __init__(self):
-        self.records = []
-
-    def record(self, scheduler, iteration):
-        self.records.append((scheduler, iteration))
-
-
-@pytest.fixture(scope="module")
-def recorder():
-    return Recorder()
-
-
-@pytest.fixture(scope="module")
-def async_llm(recorder):
-    llm = AsyncLLM(dtype="float32", max_model_len=512, max_num_seqs=8, kv_cache_memory=32 << 20,
-                   stat_loggers=[recorder])
-    yield llm
-    llm.shutdown()
-
-
 def _wait_idle(llm: AsyncLLM) -> None:
     deadline = time.monotonic() + 30
     while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:

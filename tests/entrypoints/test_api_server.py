@@ -193,6 +193,29 @@ def test_penalties_bias_and_allowed_ids_through_the_server(client, default_llm):
     assert set(allowed.choices[0].logprobs.tokens) <= {" Paris", "."}
 
 
+def test_n_completions_per_prompt(client, default_llm):
+    prompts = ["The capital of France is", "Once upon a time"]
+    params = SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=6, ignore_eos=True)
+    ref = [[c.text for c in o.outputs] for o in default_llm.generate(prompts, params)]
+    out = client.completions.create(model=MODEL, prompt=prompts, n=2, temperature=1.0, seed=4, max_tokens=6,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3] and out.usage.completion_tokens == 24
+    assert [c.text for c in out.choices] == ref[0] + ref[1]
+    texts = ["", "", "", ""]
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, n=2, temperature=1.0, seed=4, max_tokens=6,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == ref[0] + ref[1]
+    messages = [{"role": "user", "content": "Name a color."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, n=3, temperature=1.0, seed=2, max_tokens=5)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    streamed = ["", "", ""]
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, n=3, temperature=1.0, seed=2,
+                                                max_tokens=5, stream=True):
+        streamed[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+    assert streamed == [c.message.content for c in chat.choices]
+
+
 def test_stop_strings_through_the_server(client, reference):
     prompt = "The capital of France is"
     full = reference(prompt, 24, ignore_eos=True).text
@@ -263,6 +286,7 @@ def test_a_client_killed_mid_stream_frees_its_request(server):
     ({"prompt": "hi", "extra_body": {"min_tokens": 99}}, "min_tokens"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
     ({"prompt": "hi", "n": "two"}, "n"),
+    ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),
     ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),

@@ -115,6 +115,14 @@ class _Merged:
                 task.cancel()
 
 
+async def _choices(streams: list[AsyncIterator[RequestOutput]], n: int) -> AsyncIterator[tuple[int, int, Any]]:
+    """(choice index, prompt index, completion) for each new completion of the requests' outputs:
+    choice `p * n + k` is completion k of prompt p."""
+    async for i, out in _Merged(streams):
+        for c in out.outputs:
+            yield i * n + c.index, i, c
+
+
 class OpenAIServing:
     """The route handlers' logic over one AsyncLLM."""
 
@@ -173,21 +181,21 @@ class OpenAIServing:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def events() -> AsyncIterator[str]:
-                completion_tokens = [0] * len(streams)
-                echoed = [not body.echo] * len(streams)
-                offsets = [0] * len(streams)
+                num_choices = len(streams) * body.n
+                completion_tokens = [0] * num_choices
+                echoed = [not body.echo] * num_choices
+                offsets = [0] * num_choices
                 try:
-                    async for i, out in _Merged(streams):
-                        c = out.outputs[0]
-                        completion_tokens[i] += len(c.token_ids)
-                        text = c.text if echoed[i] else texts[i] + c.text
-                        echoed[i] = True
+                    async for j, i, c in _choices(streams, body.n):
+                        completion_tokens[j] += len(c.token_ids)
+                        text = c.text if echoed[j] else texts[i] + c.text
+                        echoed[j] = True
                         logprobs = None
                         if c.logprobs is not None:
-                            logprobs = completion_logprobs(c.token_ids, c.logprobs, offsets[i])
-                            offsets[i] += len(text)
+                            logprobs = completion_logprobs(c.token_ids, c.logprobs, offsets[j])
+                            offsets[j] += len(text)
                         if text or c.token_ids or c.finish_reason is not None:
-                            yield _sse(chunk(i, text, c.finish_reason, c.stop_reason, logprobs))
+                            yield _sse(chunk(j, text, c.finish_reason, c.stop_reason, logprobs))
                     if include_usage:
                         yield _sse(self._usage_chunk(request_id, "text_completion", created, prompt_lens,
                                                      completion_tokens))
@@ -199,10 +207,10 @@ class OpenAIServing:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        finals = await self._collect(streams, raw)
+        finals = await self._collect(streams, body.n, raw)
         choices = []
-        for i, (text, token_ids, finish, stop_reason, logprobs) in enumerate(finals):
-            choices.append({"index": i, "text": (texts[i] if body.echo else "") + text,
+        for j, (text, token_ids, finish, stop_reason, logprobs) in enumerate(finals):
+            choices.append({"index": j, "text": (texts[j // body.n] if body.echo else "") + text,
                             "logprobs": None if logprobs is None else completion_logprobs(token_ids, logprobs, 0),
                             "finish_reason": finish, "stop_reason": stop_reason})
         return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": model,
@@ -226,9 +234,9 @@ class OpenAIServing:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            def chunk(delta: dict[str, Any], finish: str | None = None, stop_reason: Any = None,
+            def chunk(index: int, delta: dict[str, Any], finish: str | None = None, stop_reason: Any = None,
                       logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 if finish is not None:
                     choice["stop_reason"] = stop_reason
                 return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -236,17 +244,17 @@ class OpenAIServing:
 
             async def events() -> AsyncIterator[str]:
                 completion_tokens = 0
-                yield _sse(chunk({"role": "assistant", "content": ""}))
+                for j in range(body.n):
+                    yield _sse(chunk(j, {"role": "assistant", "content": ""}))
                 try:
-                    async for _, out in _Merged(streams):
-                        c = out.outputs[0]
+                    async for j, _, c in _choices(streams, body.n):
                         completion_tokens += len(c.token_ids)
                         if c.text or (c.logprobs and c.token_ids):
                             logprobs = None if c.logprobs is None else \
                                 chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)
-                            yield _sse(chunk({"content": c.text}, logprobs=logprobs))
+                            yield _sse(chunk(j, {"content": c.text}, logprobs=logprobs))
                         if c.finish_reason is not None:
-                            yield _sse(chunk({}, c.finish_reason, c.stop_reason))
+                            yield _sse(chunk(j, {}, c.finish_reason, c.stop_reason))
                     if include_usage:
                         yield _sse(self._usage_chunk(request_id, "chat.completion.chunk", created, prompt_lens,
                                                      [completion_tokens]))
@@ -258,35 +266,35 @@ class OpenAIServing:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        (text, token_ids, finish, stop_reason, logprobs), = await self._collect(streams, raw)
-        if logprobs is not None:
-            logprobs = chat_logprobs(token_ids, logprobs, body.top_logprobs or 0)
-        return JSONResponse({
-            "id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": finish, "stop_reason": stop_reason}],
-            "usage": self._usage(prompt_lens, [len(token_ids)])})
+        finals = await self._collect(streams, body.n, raw)
+        choices = [{"index": j, "message": {"role": "assistant", "content": text},
+                    "logprobs": None if logprobs is None else chat_logprobs(token_ids, logprobs, body.top_logprobs or 0),
+                    "finish_reason": finish, "stop_reason": stop_reason}
+                   for j, (text, token_ids, finish, stop_reason, logprobs) in enumerate(finals)]
+        return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model,
+                             "choices": choices, "usage": self._usage(prompt_lens, [len(f[1]) for f in finals])})
 
     # -- shared --
 
-    async def _collect(self, streams: list[AsyncIterator[RequestOutput]], raw: Request) -> list[tuple]:
-        """Run the requests to the end; a client that disconnects meanwhile aborts them."""
-        texts, tokens = [""] * len(streams), [[] for _ in streams]
-        logprobs: list[list | None] = [None] * len(streams)
-        finals: list[tuple] = [("", [], None, None, None)] * len(streams)
-        merged = _Merged(streams).__aiter__()
+    async def _collect(self, streams: list[AsyncIterator[RequestOutput]], n: int, raw: Request) -> list[tuple]:
+        """Run the requests to the end, one (text, token ids, finish reason, stop reason, logprobs) per choice;
+        a client that disconnects meanwhile aborts them."""
+        num = len(streams) * n
+        texts, tokens = [""] * num, [[] for _ in range(num)]
+        logprobs: list[list | None] = [None] * num
+        finals: list[tuple] = [("", [], None, None, None)] * num
+        choices = _choices(streams, n)
         try:
-            async for i, out in merged:
-                c = out.outputs[0]
-                texts[i] += c.text
-                tokens[i] += c.token_ids
+            async for j, _, c in choices:
+                texts[j] += c.text
+                tokens[j] += c.token_ids
                 if c.logprobs is not None:
-                    logprobs[i] = (logprobs[i] or []) + c.logprobs
-                finals[i] = (texts[i], tokens[i], c.finish_reason, c.stop_reason, logprobs[i])
+                    logprobs[j] = (logprobs[j] or []) + c.logprobs
+                finals[j] = (texts[j], tokens[j], c.finish_reason, c.stop_reason, logprobs[j])
                 if await raw.is_disconnected():
                     raise asyncio.CancelledError
         finally:
-            await merged.aclose()
+            await choices.aclose()
         return finals
 
     @staticmethod
