@@ -48,7 +48,8 @@ class SamplingParams:
     presence and frequency penalties in [-2, 2] act on the output's tokens, a
     repetition penalty > 0 (1: off) on the prompt's and the output's; `logit_bias`
     adds to chosen ids' logits (at most MAX_LOGIT_BIAS, each in [-100, 100]);
-    `allowed_token_ids` restricts sampling to those ids. `spaces_between_special_tokens` joins special
+    `allowed_token_ids` restricts sampling to those ids; `bad_words` are never
+    generated (their last token is banned after the rest of them). `spaces_between_special_tokens` joins special
     tokens and the text around them with a space when they are not skipped.
     """
 
@@ -63,6 +64,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: str | list[str] | None = None
@@ -73,6 +75,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The token sequences `bad_words` ban, set by the engine from its tokenizer (not an argument).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -126,6 +130,9 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

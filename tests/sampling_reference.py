@@ -20,3 +20,17 @@ def reference_penalties(logits, prompts, outputs, rep, freq, pres):
         row -= freq[i] * counts
         row -= pres[i] * (counts > 0)
     return out
+
+
+def reference_bad_words(logits, sequences, outputs):
+    """vLLM's _apply_bad_words_single_batch, one row at a time (past tokens: the row's output)."""
+    out = logits.clone()
+    for i, (row_sequences, past) in enumerate(zip(sequences, outputs)):
+        for seq in row_sequences:
+            if len(seq) > len(past) + 1:
+                continue
+            prefix_length = len(seq) - 1
+            actual = past[-prefix_length:] if prefix_length > 0 else []
+            if actual == seq[:prefix_length]:
+                out[i, seq[-1]] = float("-inf")
+    return out

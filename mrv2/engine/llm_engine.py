@@ -20,6 +20,7 @@ from mrv2.engine.scheduler_output import SchedulerOutput
 from mrv2.runner.async_output import AsyncRunnerOutput
 from mrv2.runner.kv_cache import num_blocks_for_budget
 from mrv2.runner.model_runner import ModelRunner
+from mrv2.sample.bad_words import bad_words_token_ids
 from mrv2.platforms import get_platform
 from mrv2.sampling_params import SamplingParams
 
@@ -165,6 +166,11 @@ class LLMEngine:
                           ("stop_token_ids", params.stop_token_ids)):
             if bad := [t for t in ids if t >= vocab]:
                 raise ValueError(f"{name} holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if params.bad_words:
+            # A sequence with an id the model cannot produce can never occur: it bans nothing.
+            words = [w for w in bad_words_token_ids(self.tokenizer, params.bad_words) if max(w) < vocab]
+            params = replace(params)  # the caller's object may serve other requests (and tokenizers)
+            params.bad_words_token_ids = words
         text, ids = self.tokenize(prompt)
         self.scheduler.validate_prompt(ids)
         # Every EOS id (Llama 3's <|eot_id|> too) is EOS: ignore_eos ignores them all.

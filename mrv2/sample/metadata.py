@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from mrv2.sample.bad_words import BadWordsMetadata
 from mrv2.sample.logit_bias import LogitBiasMetadata
 from mrv2.sample.min_tokens import MinTokensMetadata
 from mrv2.sample.penalties import PenaltiesMetadata
@@ -46,6 +47,7 @@ class SamplingMetadata:
     penalties: PenaltiesMetadata | None = None
     logit_bias: LogitBiasMetadata | None = None
     allowed_tokens: torch.Tensor | None = None  # bool [B, V]
+    bad_words: BadWordsMetadata | None = None
 
     @classmethod
     def from_lists(
@@ -91,7 +93,8 @@ class SamplingFlags:
     any_penalties: bool = False
     any_logit_bias: bool = False
     any_allowed_tokens: bool = False
-    history_len: int = 0  # an upper bound on the tokens before any row's sampled position (penalties)
+    any_bad_words: bool = False
+    history_len: int = 0  # an upper bound on the tokens before any row's sampled position (penalties, bad words)
 
 
 def host_flags(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,

@@ -1,6 +1,6 @@
 """Logits to token ids: greedy rows take the argmax, the others a filtered Gumbel-max draw.
 
-The order follows vLLM: on the raw logits, in place, allowed_token_ids, min_tokens,
+The order follows vLLM: on the raw logits, in place, allowed_token_ids, bad_words, min_tokens,
 logit_bias, then the repetition/frequency/presence penalties; then temperature, and
 min-p, top-k, top-p on the scaled logits, each masking with -inf. All ops run on the
 logits' device without syncing the host.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from mrv2.sample.allowed_tokens import apply_allowed_tokens
+from mrv2.sample.bad_words import apply_bad_words
 from mrv2.sample.gumbel import gumbel_sample
 from mrv2.sample.logit_bias import apply_logit_bias
 from mrv2.sample.metadata import SamplingMetadata
@@ -118,6 +119,8 @@ class Sampler:
         # On the raw logits, greedy rows included.
         if md.allowed_tokens is not None:
             apply_allowed_tokens(logits, md.allowed_tokens)
+        if md.bad_words is not None:
+            apply_bad_words(logits, md.bad_words, md.positions)
         if md.min_tokens is not None:
             apply_min_tokens(logits, md.min_tokens, md.positions)
         if md.logit_bias is not None:

@@ -18,6 +18,7 @@ import torch
 
 from mrv2.staged_writes import StagedScalarWriter, StagedWrite, apply_writes
 from mrv2.sample.allowed_tokens import AllowedTokensState
+from mrv2.sample.bad_words import BadWordsState
 from mrv2.sample.logit_bias import LogitBiasState
 from mrv2.sample.metadata import SamplingFlags, SamplingMetadata, host_flags
 from mrv2.sample.min_tokens import MinTokensState
@@ -56,6 +57,7 @@ class SamplingStates:
         self.penalties = PenaltiesState(max_num_reqs, device, pin_memory)
         self.logit_bias = LogitBiasState(max_num_reqs, device, pin_memory)
         self.allowed_tokens = AllowedTokensState(max_num_reqs, vocab_size, device, pin_memory)
+        self.bad_words = BadWordsState(max_num_reqs, device, pin_memory)
 
     def add_request(self, slot: int, params: SamplingParams, prompt_len: int = 0,
                     eos_token_ids: Sequence[int] = ()) -> None:
@@ -79,11 +81,13 @@ class SamplingStates:
         self.penalties.add_request(slot, params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
         self.logit_bias.add_request(slot, params.logit_bias)
         self.allowed_tokens.add_request(slot, params.allowed_token_ids)
+        self.bad_words.add_request(slot, params.bad_words_token_ids)
 
     def take_staged(self) -> list[StagedWrite]:
         """Pack the staged parameters (host work); applying them is device work."""
         writes = [w.take() for w in self._writers.values()] + self.min_tokens.take_staged() + \
-            self.penalties.take_staged() + self.logit_bias.take_staged() + self.allowed_tokens.take_staged()
+            self.penalties.take_staged() + self.logit_bias.take_staged() + self.allowed_tokens.take_staged() + \
+            self.bad_words.take_staged()
         return [w for w in writes if w is not None]
 
     def apply_staged_writes(self) -> None:
@@ -101,20 +105,24 @@ class SamplingStates:
                              num_logprobs=num_logprobs if num_logprobs >= 0 else None,
                              any_penalties=self.penalties.any_active(idx_cpu),
                              any_logit_bias=self.logit_bias.any_active(idx_cpu),
-                             any_allowed_tokens=self.allowed_tokens.any_active(idx_cpu), history_len=history_len)
+                             any_allowed_tokens=self.allowed_tokens.any_active(idx_cpu),
+                             any_bad_words=self.bad_words.any_active(idx_cpu), history_len=history_len)
 
     def metadata(self, flags: SamplingFlags, idx_mapping: torch.Tensor, positions: torch.Tensor,
                  token_ids: torch.Tensor | None = None) -> SamplingMetadata:
         """Device work: the batch's rows gathered through `idx_mapping`, with the flags of its launch.
 
         `positions` (int64, one per row) is the position of the token being sampled;
-        `token_ids` (the runner's per-slot token history) serves penalties.
+        `token_ids` (the runner's per-slot token history) serves penalties and bad words.
         """
-        penalties = None
-        if flags.any_penalties:
+        penalties = bad_words = None
+        if flags.any_penalties or flags.any_bad_words:
             width = min(max(flags.history_len, 1), token_ids.shape[1])
-            penalties = self.penalties.metadata(idx_mapping, token_ids[idx_mapping, :width],
-                                                self.min_tokens.prompt_len[idx_mapping])
+            history, prompt_len = token_ids[idx_mapping, :width], self.min_tokens.prompt_len[idx_mapping]
+            if flags.any_penalties:
+                penalties = self.penalties.metadata(idx_mapping, history, prompt_len)
+            if flags.any_bad_words:
+                bad_words = self.bad_words.metadata(idx_mapping, history, prompt_len)
         return SamplingMetadata(
             temperature=self.temperature[idx_mapping], top_k=self.top_k[idx_mapping], top_p=self.top_p[idx_mapping],
             min_p=self.min_p[idx_mapping], seeds=self.seeds[idx_mapping], positions=positions,
@@ -124,4 +132,5 @@ class SamplingStates:
             penalties=penalties,
             logit_bias=self.logit_bias.metadata(idx_mapping) if flags.any_logit_bias else None,
             allowed_tokens=self.allowed_tokens.metadata(idx_mapping) if flags.any_allowed_tokens else None,
+            bad_words=bad_words,
         )

@@ -74,3 +74,12 @@ def test_bad_values_name_the_field_and_the_engine_keeps_serving(default_llm, kwa
     with pytest.raises(ValueError, match=field):
         default_llm.generate(PROMPT, SamplingParams(max_tokens=2, **kwargs))
     assert default_llm.engine.scheduler.block_pool.is_whole()
+
+
+@pytest.mark.parametrize("words", [["Paris"], ["The answer"], ["answer is", "capital"]])
+def test_bad_words_never_appear_in_greedy_output(default_llm, words):
+    plain = default_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0]
+    assert any(w in plain.text for w in words)  # the test can fail
+    out = default_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                      bad_words=words))[0].outputs[0]
+    assert not any(w in out.text for w in words)

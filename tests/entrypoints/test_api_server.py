@@ -292,7 +292,8 @@ def test_a_client_killed_mid_stream_frees_its_request(server):
     ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
     ({"prompt": "hi", "extra_body": {"allowed_token_ids": [10**9]}}, "allowed_token_ids"),
-    ({"prompt": "hi", "extra_body": {"bad_words": ["x"]}}, "bad_words"),
+    ({"prompt": "hi", "extra_body": {"bad_words": [""]}}, "bad_words"),
+    ({"prompt": "hi", "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
 ])
 def test_bad_completion_requests_are_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:

@@ -103,7 +103,8 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=1.0, seed=4, max_tokens=9, ignore_eos=True, allowed_token_ids=list(range(3, 300))),
           SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.5,
                          presence_penalty=0.3, logit_bias={5: 2.0}, logprobs=2),
-          SamplingParams(temperature=0.7, top_p=0.8, seed=5, max_tokens=12, ignore_eos=True)]
+          SamplingParams(temperature=0.7, top_p=0.8, seed=5, max_tokens=12, ignore_eos=True,
+                         bad_words=["a", "b c", "the"])]  # "the" is outside the tiny vocabulary
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "serial"])

@@ -62,7 +62,7 @@ class _SamplingRequest(BaseModel):
 
     def _unsupported(self) -> dict[str, Any]:
         """Fields set to a value mrv2 cannot honour yet (name -> neutral value)."""
-        return {"prompt_logprobs": None, "bad_words": None}
+        return {"prompt_logprobs": None}
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -91,7 +91,7 @@ class _SamplingRequest(BaseModel):
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                 min_p=self.min_p or 0.0, seed=self.seed, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
+                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                 max_tokens=default_max_tokens if max_tokens is None else max_tokens, min_tokens=self.min_tokens,
                 stop=self.stop, stop_token_ids=self.stop_token_ids or [],
                 include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
