@@ -43,7 +43,8 @@ class SamplingParams:
     `stop` strings, which is cut from the text unless `include_stop_str_in_output`;
     neither applies before `min_tokens`. `logprobs` (0 to MAX_LOGPROBS) returns, per
     generated token, its logprob and rank and those of the `logprobs` most likely
-    tokens, from the model's raw logits. `n` completions are sampled for the prompt
+    tokens, from the model's raw logits; `prompt_logprobs` does the same for each prompt
+    token after the first. `n` completions are sampled for the prompt
     (completion i of a seeded request uses seed + i). Penalties follow vLLM (and OpenAI):
     presence and frequency penalties in [-2, 2] act on the output's tokens, a
     repetition penalty > 0 (1: off) on the prompt's and the output's; `logit_bias`
@@ -74,6 +75,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # The token sequences `bad_words` ban, set by the engine from its tokenizer (not an argument).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
@@ -133,9 +135,11 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, list)
                                            or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

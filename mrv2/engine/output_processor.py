@@ -38,6 +38,7 @@ class _RequestState:
     parent: _Parent | None = None
     num_processed: int = 0  # output tokens already through the detokenizer
     num_sent: int = 0  # output tokens already in a DELTA output
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
@@ -139,15 +140,22 @@ class OutputProcessor:
                 logprobs = [self._logprob_dict(entry) for entry in request.output_logprobs[first:]]
             stop_reason = detok.stop_str if detok.stop_str is not None else request.stop_reason
             completion = CompletionOutput(state.index, text, token_ids, request.finish_reason, stop_reason, logprobs)
+            prompt_logprobs = None
+            if request.prompt_logprobs is not None and not (state.kind == RequestOutputKind.DELTA
+                                                            and state.prompt_logprobs_sent):
+                prompt_logprobs = [None] + [None if e is None else self._logprob_dict(e)
+                                            for e in request.prompt_logprobs[1:]]
+                state.prompt_logprobs_sent = True
             if state.parent is None:
                 outputs.append(RequestOutput(request.req_id, request.prompt, request.prompt_token_ids,
-                                             [completion], finished))
-            elif (out := self._parent_output(state.parent, completion, finished, state.kind)) is not None:
+                                             [completion], finished, prompt_logprobs))
+            elif (out := self._parent_output(state.parent, completion, finished, state.kind,
+                                             prompt_logprobs)) is not None:
                 outputs.append(out)
         return outputs
 
     def _parent_output(self, parent: _Parent, completion: CompletionOutput, finished: bool,
-                       kind: RequestOutputKind) -> RequestOutput | None:
+                       kind: RequestOutputKind, prompt_logprobs: list | None) -> RequestOutput | None:
         """A child's completion as its parent's output; final only: once, with all n completions."""
         parent.num_finished += finished
         done = parent.num_finished == len(parent.child_ids)
@@ -155,9 +163,9 @@ class OutputProcessor:
             del self._parents[parent.request.req_id]
         r = parent.request
         if kind != RequestOutputKind.FINAL_ONLY:
-            return RequestOutput(r.req_id, r.prompt, r.prompt_token_ids, [completion], done)
+            return RequestOutput(r.req_id, r.prompt, r.prompt_token_ids, [completion], done, prompt_logprobs)
         parent.completions[completion.index] = completion
         if not done:
             return None
         return RequestOutput(r.req_id, r.prompt, r.prompt_token_ids,
-                             [parent.completions[i] for i in sorted(parent.completions)], True)
+                             [parent.completions[i] for i in sorted(parent.completions)], True, prompt_logprobs)

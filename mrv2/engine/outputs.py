@@ -39,3 +39,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # Per prompt token when asked for (the first is None: nothing predicts it); in the first output.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

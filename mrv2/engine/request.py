@@ -82,6 +82,10 @@ class Request:
         self.num_steps_in_flight = 0
         # Per output token when the request asked for logprobs (see ModelRunnerOutput.logprobs).
         self.output_logprobs: list[TokenLogprobs] = []
+        # Per prompt position when it asked for prompt logprobs (position 0 has none).
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = \
+            [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None
+        self.num_prompt_logprobs = 0  # positions filled so far
         # Draft tokens proposed for the next step (verified there, then cleared).
         self.spec_token_ids: list[int] = []
 
@@ -112,6 +116,13 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self.status)
+
+    def set_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
+        """Store the scores of prompt positions first, first + 1, ... (again after a preemption: same values)."""
+        for pos, entry in enumerate(entries, first):
+            if self.prompt_logprobs[pos] is None:
+                self.num_prompt_logprobs += 1
+            self.prompt_logprobs[pos] = entry
 
     def append_output_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self.output_token_ids.append(token_id)

@@ -213,6 +213,9 @@ class Scheduler:
             if request is None:
                 continue
             request.num_steps_in_flight -= 1
+            if model_runner_output.prompt_logprobs and req_id in model_runner_output.prompt_logprobs:
+                first, entries = model_runner_output.prompt_logprobs[req_id]
+                request.set_prompt_logprobs(first, entries)
             if req_id in scheduler_output.sampled_req_ids:
                 request.num_output_placeholders -= 1
                 token_ids = sampled.get(req_id)

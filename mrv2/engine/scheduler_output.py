@@ -72,3 +72,6 @@ class ModelRunnerOutput:
     # Per request (None where it asked for none): per sampled token, (token ids, logprobs, rank):
     # the sampled token first, then the request's top alternatives; rank is the sampled token's.
     logprobs: list[list[TokenLogprobs] | None] | None = None
+    # Per request that asked for prompt logprobs and prefilled prompt tokens this step:
+    # (the first scored prompt position, one entry per scored position from there).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None

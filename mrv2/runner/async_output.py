@@ -52,18 +52,21 @@ class AsyncRunnerOutput:
     [emitted count, tokens...], and `on_drafts(emitted counts)` runs on the host once
     they are known (the runner corrects its host mirror there). `num_logprobs` (per
     request, -1 for none) says how many alternatives each request gets when the step
-    computed logprobs; `rows_per_request` is its logits rows (1 + drafts).
+    computed logprobs; `rows_per_request` is its logits rows (1 + drafts). `prompt_requests`
+    says whose prompt tokens the step scored (see `runner/prompt_logprobs.py`).
     """
 
     def __init__(self, req_ids: list[str], copy: Pending[tuple[HostCopy, LogprobsCopy | None]] | None,
                  timing: StepTiming | None, on_drafts: Callable[[np.ndarray], None] | None = None,
-                 num_logprobs: np.ndarray | None = None, rows_per_request: np.ndarray | None = None) -> None:
+                 num_logprobs: np.ndarray | None = None, rows_per_request: np.ndarray | None = None,
+                 prompt_requests: list[tuple[str, int, int]] | None = None) -> None:
         self.req_ids = req_ids
         self._copy = copy
         self._timing = timing
         self._on_drafts = on_drafts
         self._num_logprobs = num_logprobs
         self._rows_per_request = rows_per_request
+        self._prompt_requests = prompt_requests  # (req id, first scored position, count), in copy order
 
     @classmethod
     def empty(cls) -> "AsyncRunnerOutput":
@@ -74,9 +77,10 @@ class AsyncRunnerOutput:
         if self._copy is None:
             return ModelRunnerOutput([], [])
         with self._timing.phase("wait"):
-            ids_copy, logprobs_copy = self._copy.result()
+            ids_copy, logprobs_copy, prompt_copy = self._copy.result()
             host = ids_copy.wait().numpy()
             logprobs_host = logprobs_copy.wait() if logprobs_copy is not None else None
+            prompt_host = prompt_copy.wait() if prompt_copy is not None else None
         if self._on_drafts is None:
             counts, sampled = None, [[t] for t in host.tolist()]
         else:
@@ -84,7 +88,15 @@ class AsyncRunnerOutput:
             self._on_drafts(counts)
             sampled = [row[1:1 + m].tolist() for row, m in zip(host, counts)]
         logprobs = None if logprobs_host is None else self._logprobs(logprobs_host, sampled)
-        return ModelRunnerOutput(self.req_ids, sampled, logprobs)
+        prompt = None
+        if prompt_host is not None:
+            ids, lps, ranks = prompt_host
+            prompt, row = {}, 0
+            for req_id, first, count in self._prompt_requests:
+                prompt[req_id] = (first, [(ids[r].tolist(), lps[r].tolist(), int(ranks[r]))
+                                          for r in range(row, row + count)])
+                row += count
+        return ModelRunnerOutput(self.req_ids, sampled, logprobs, prompt)
 
     def _logprobs(self, host: tuple[np.ndarray, np.ndarray, np.ndarray],
                   sampled: list[list[int]]) -> list[list[TokenLogprobs] | None]:

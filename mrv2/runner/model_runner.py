@@ -32,10 +32,11 @@ from mrv2.runner.graphs.descriptor import BatchDescriptor
 from mrv2.runner.graphs.model_graphs import ModelGraphs
 from mrv2.runner.input_batch import InputBuffers, StepBatch, StepPlan
 from mrv2.runner.kv_cache import KVCache, allocate_kv_cache
+from mrv2.runner.prompt_logprobs import PromptLogprobsPlan, plan_prompt_logprobs, score_prompt
 from mrv2.runner.states import RequestStates
 from mrv2.runner.timing import StepTiming
 from mrv2.sample.draft_verify import verify_drafts
-from mrv2.sample.logprobs import compute_logprobs
+from mrv2.sample.logprobs import LogprobsTensors, compute_logprobs
 from mrv2.sample.metadata import SamplingFlags
 from mrv2.sample.sampler import Sampler
 from mrv2.sample.states import SamplingStates
@@ -97,6 +98,7 @@ class ModelRunner:
         self._host_out = [torch.zeros(2 * self.max_num_tokens + self.max_num_reqs, dtype=torch.int64, pin_memory=pin)
                           for _ in range(2)]
         self._host_logprobs = [LogprobsHostBuffers(self.max_num_tokens, pin) for _ in range(2)]
+        self._host_prompt_logprobs = [LogprobsHostBuffers(self.max_num_tokens, pin) for _ in range(2)]
         self._next_host_out = 0
 
     # -- set-up --
@@ -206,14 +208,18 @@ class ModelRunner:
             plan = self.inputs.plan(req_ids, idx, num_scheduled, self.states.num_computed_cpu, padding, drafts)
             history = int((self.states.num_tokens_cpu[idx] + plan.num_drafts_cpu).max()) + 1
             flags = self.sampling.host_flags(idx, history)
+            scored = None
+            if (wanted := self.sampling.num_prompt_logprobs_cpu[idx]).max() >= 0:
+                scored = plan_prompt_logprobs(req_ids, idx, num_scheduled, self.states.num_computed_cpu[idx],
+                                              plan.query_start_loc_cpu, self.sampling.prompt_len_cpu[idx], wanted)
             self.states.advance_host(idx, num_scheduled, plan.num_drafts_cpu if drafts else None)
-        forward = self._launch(partial(self._forward, writes, plan, desc))
-        self._pending = _PendingStep(plan, forward, flags)
+        forward = self._launch(partial(self._forward, writes, plan, desc, scored))
+        self._pending = _PendingStep(plan, forward, flags, scored)
         self.timing.steps += 1
 
-    def _forward(self, writes: list[StagedWrite], plan: StepPlan,
-                 desc: BatchDescriptor | None) -> tuple[StepBatch, torch.Tensor]:
-        """Device work of one step up to the logits."""
+    def _forward(self, writes: list[StagedWrite], plan: StepPlan, desc: BatchDescriptor | None,
+                 scored: PromptLogprobsPlan | None) -> tuple[StepBatch, torch.Tensor, LogprobsTensors | None]:
+        """Device work of one step up to the logits (and the prompt logprobs asked for)."""
         with self.timing.phase("forward"):
             apply_writes(writes)
             batch = self.inputs.gather(plan, self.states, self.block_tables)
@@ -222,7 +228,10 @@ class ModelRunner:
             else:
                 hidden = self.model(batch.input_ids, batch.positions, self.attn_backend.build_metadata(batch.attn))
             logits = self.model.compute_logits(hidden[batch.logits_indices], self.platform.logits_chunk_rows)
-        return batch, logits
+            prompt_scores = None if scored is None else score_prompt(
+                scored, hidden, self.states.token_ids,
+                partial(self.model.compute_logits, chunk_rows=self.platform.logits_chunk_rows), self.device)
+        return batch, logits, prompt_scores
 
     def sample_tokens(self) -> AsyncRunnerOutput:
         """Launch sampling of the pending step and the post-update of slot state; the sampled
@@ -232,12 +241,14 @@ class ModelRunner:
             return AsyncRunnerOutput.empty()
         host = self._host_out[self._next_host_out]
         host_logprobs = self._host_logprobs[self._next_host_out]
+        host_prompt_logprobs = self._host_prompt_logprobs[self._next_host_out]
         self._next_host_out ^= 1
         event = self.platform.new_event()
         num_logprobs = pending.flags.num_logprobs
 
-        def sample() -> tuple[HostCopy, LogprobsCopy | None]:
-            batch, logits = pending.forward.result()
+        def sample() -> tuple[HostCopy, LogprobsCopy | None, LogprobsCopy | None]:
+            batch, logits, prompt_scores = pending.forward.result()
+            prompt = None if prompt_scores is None else host_prompt_logprobs.start(prompt_scores, event)
             with self.timing.phase("sample"):
                 # Per logits row: its request's slot and the position of the token it samples.
                 slots = batch.idx_mapping[batch.logits_rows]
@@ -250,13 +261,13 @@ class ModelRunner:
                     host_logprobs.start(compute_logprobs(raw_logprobs, sampled, num_logprobs), event)
                 if not batch.max_drafts:
                     self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, sampled)
-                    return HostCopy.start(sampled, host, event), logprobs
+                    return HostCopy.start(sampled, host, event), logprobs, prompt
                 tokens, num_emitted = verify_drafts(sampled, batch.input_ids, batch.logits_indices,
                                                     batch.logits_start, batch.num_drafts, batch.max_drafts)
                 self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, tokens, num_emitted,
                                                batch.num_drafts)
                 ids = HostCopy.start(torch.cat([num_emitted[:, None].long(), tokens], dim=1), host, event)
-                return ids, logprobs
+                return ids, logprobs, prompt
 
         plan = pending.plan
 
@@ -266,7 +277,8 @@ class ModelRunner:
 
         wanted = self.sampling.num_logprobs_cpu[plan.idx_cpu] if num_logprobs is not None else None
         return AsyncRunnerOutput(plan.req_ids, self._launch(sample), self.timing,
-                                 reject_drafts if plan.max_drafts else None, wanted, plan.num_drafts_cpu + 1)
+                                 reject_drafts if plan.max_drafts else None, wanted, plan.num_drafts_cpu + 1,
+                                 pending.scored.requests if pending.scored is not None else None)
 
     def _launch(self, work: Callable[[], T]) -> Pending[T]:
         if not self.queue.synchronous:
@@ -299,5 +311,6 @@ class ModelRunner:
 @dataclass(frozen=True)
 class _PendingStep:
     plan: StepPlan
-    forward: Pending[tuple[StepBatch, torch.Tensor]]
+    forward: Pending[tuple[StepBatch, torch.Tensor, LogprobsTensors | None]]
     flags: SamplingFlags
+    scored: PromptLogprobsPlan | None = None

@@ -51,6 +51,8 @@ class SamplingStates:
         self.top_p_cpu = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p_cpu = np.zeros(max_num_reqs, dtype=np.float32)
         self.num_logprobs_cpu = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: no logprobs (host only)
+        self.num_prompt_logprobs_cpu = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.prompt_len_cpu = np.zeros(max_num_reqs, dtype=np.int64)
 
         self._writers = {name: StagedScalarWriter(getattr(self, name), pin_memory) for name in _PARAMS}
         self.min_tokens = MinTokensState(max_num_reqs, device, pin_memory)
@@ -76,6 +78,8 @@ class SamplingStates:
         self.top_p_cpu[slot] = params.top_p
         self.min_p_cpu[slot] = params.min_p
         self.num_logprobs_cpu[slot] = -1 if params.logprobs is None else params.logprobs
+        self.num_prompt_logprobs_cpu[slot] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
+        self.prompt_len_cpu[slot] = prompt_len
         self.min_tokens.add_request(slot, params.min_tokens, prompt_len,
                                     list(eos_token_ids) + list(params.stop_token_ids))
         self.penalties.add_request(slot, params.repetition_penalty, params.frequency_penalty, params.presence_penalty)

@@ -62,3 +62,25 @@ def test_logprobs_stay_aligned_with_tokens_cut_by_a_stop_string(default_llm):
 def test_bad_logprobs_values_raise(value):
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=value)
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_prompt_logprobs_equal_transformers_with_and_without_chunked_prefill(default_llm, hf_logprobs, chunk):
+    llm = default_llm if chunk is None else LLM(dtype="float32", max_model_len=1024, kv_cache_memory=32 << 20,
+                                                max_num_batched_tokens=chunk, max_num_seqs=4)
+    prompts = ["The capital of France is not a city in Germany or Spain", "Hi", "def fibonacci(n):"]
+    params = [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0),
+              SamplingParams(temperature=0, max_tokens=2)]
+    outs = llm.generate(prompts, params)
+    assert outs[2].prompt_logprobs is None
+    for out, p in zip(outs[:2], params):
+        ids = out.prompt_token_ids
+        assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+        ref = hf_logprobs(ids)
+        for pos in range(1, len(ids)):
+            entry, row = out.prompt_logprobs[pos], ref[pos - 1]
+            assert ids[pos] in entry and len(entry) <= p.prompt_logprobs + 1
+            for t, lp in entry.items():
+                assert abs(lp.logprob - row[t].item()) < 1e-4
+            assert entry[ids[pos]].rank == int((row > row[ids[pos]]).sum()) + 1

@@ -216,6 +216,30 @@ def test_n_completions_per_prompt(client, default_llm):
     assert streamed == [c.message.content for c in chat.choices]
 
 
+def test_echo_with_logprobs_and_prompt_logprobs(client, default_llm):
+    prompt = "The capital of France is"
+    ref = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1,
+                                                      prompt_logprobs=1))[0]
+    ids = ref.prompt_token_ids
+    for stream in (False, True):
+        res = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                        logprobs=1, stream=stream, extra_body={"ignore_eos": True})
+        chunks = [c for c in res if c.choices] if stream else [res]
+        assert "".join(c.choices[0].text for c in chunks) == prompt + ref.outputs[0].text
+        lp = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+        token_logprobs = [v for x in lp for v in x.token_logprobs]
+        assert len(token_logprobs) == len(ids) + 4 and token_logprobs[0] is None
+        assert token_logprobs[1:len(ids)] == pytest.approx([ref.prompt_logprobs[p][ids[p]].logprob
+                                                            for p in range(1, len(ids))], abs=1e-5)
+        offsets = [o for x in lp for o in x.text_offset]
+        assert offsets == sorted(offsets) and offsets[len(ids)] == len(prompt)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 0})
+    prompt_lps = out.choices[0].model_extra["prompt_logprobs"]
+    assert prompt_lps[0] is None and len(prompt_lps) == len(ids)
+    assert prompt_lps[2][str(ids[2])]["logprob"] == pytest.approx(ref.prompt_logprobs[2][ids[2]].logprob, abs=1e-5)
+
+
 def test_stop_strings_through_the_server(client, reference):
     prompt = "The capital of France is"
     full = reference(prompt, 24, ignore_eos=True).text
@@ -288,12 +312,11 @@ def test_a_client_killed_mid_stream_frees_its_request(server):
     ({"prompt": "hi", "n": "two"}, "n"),
     ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
     ({"prompt": "hi", "extra_body": {"allowed_token_ids": [10**9]}}, "allowed_token_ids"),
     ({"prompt": "hi", "extra_body": {"bad_words": [""]}}, "bad_words"),
-    ({"prompt": "hi", "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    ({"prompt": "hi", "extra_body": {"prompt_logprobs": 50}}, "prompt_logprobs"),
 ])
 def test_bad_completion_requests_are_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:

@@ -30,7 +30,8 @@ from mrv2.engine.arg_utils import engine_kwargs
 from mrv2.engine.async_llm import AsyncLLM, EngineDeadError
 from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.openai.args import DEFAULT_SERVED_NAME
-from mrv2.entrypoints.openai.logprobs_format import chat_logprobs, completion_logprobs
+from mrv2.entrypoints.openai.logprobs_format import (chat_logprobs, completion_logprobs, join_logprobs,
+                                                    prompt_completion_logprobs, prompt_logprobs_json)
 from mrv2.entrypoints.openai.metrics import PrometheusStatLogger
 from mrv2.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                               InvalidRequest, TokenizeRequest)
@@ -115,12 +116,13 @@ class _Merged:
                 task.cancel()
 
 
-async def _choices(streams: list[AsyncIterator[RequestOutput]], n: int) -> AsyncIterator[tuple[int, int, Any]]:
-    """(choice index, prompt index, completion) for each new completion of the requests' outputs:
-    choice `p * n + k` is completion k of prompt p."""
+async def _choices(streams: list[AsyncIterator[RequestOutput]],
+                   n: int) -> AsyncIterator[tuple[int, int, Any, list | None]]:
+    """(choice index, prompt index, completion, prompt logprobs) for each new completion of the requests'
+    outputs: choice `p * n + k` is completion k of prompt p."""
     async for i, out in _Merged(streams):
         for c in out.outputs:
-            yield i * n + c.index, i, c
+            yield i * n + c.index, i, c, out.prompt_logprobs
 
 
 class OpenAIServing:
@@ -139,7 +141,8 @@ class OpenAIServing:
     def _default_max_tokens(self, prompts: list[list[int]]) -> int:
         return max(1, self.max_model_len - max(len(p) for p in prompts))
 
-    def _start(self, prompts: list[Any], params_for: Any) -> tuple[list[AsyncIterator[RequestOutput]], list[int]]:
+    def _start(self, prompts: list[Any],
+               params_for: Any) -> tuple[list[AsyncIterator[RequestOutput]], list[list[int]]]:
         """Validate every prompt, then start one request per prompt (nothing starts if any is bad)."""
         engine = self.llm.engine
         token_ids = []
@@ -157,19 +160,23 @@ class OpenAIServing:
         base = f"{uuid.uuid4().hex}"
         streams = [self.llm.generate({"prompt_token_ids": ids}, params, request_id=f"{base}-{i}")
                    for i, ids in enumerate(token_ids)]
-        return streams, [len(ids) for ids in token_ids]
+        return streams, token_ids
 
     # -- completions --
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
         prompts = body.prompts()
-        streams, prompt_lens = self._start(prompts, body.to_sampling_params)
+        streams, prompts_ids = self._start(prompts, body.to_sampling_params)
+        prompt_lens = [len(ids) for ids in prompts_ids]
         texts = [p.get("prompt") for p in prompts]
         request_id, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name
         if body.echo:
             tok = self.llm.tokenizer
             texts = [t if t is not None else tok.decode(p["prompt_token_ids"]) for t, p in zip(texts, prompts)]
+
+        def echo_logprobs(i: int, entries: list | None) -> dict[str, Any]:
+            return prompt_completion_logprobs(self.llm.tokenizer, prompts_ids[i], entries or [None] * len(prompts_ids[i]))
 
         def chunk(index: int, text: str, finish: str | None, stop_reason: Any,
                   logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -186,14 +193,16 @@ class OpenAIServing:
                 echoed = [not body.echo] * num_choices
                 offsets = [0] * num_choices
                 try:
-                    async for j, i, c in _choices(streams, body.n):
+                    async for j, i, c, prompt_lps in _choices(streams, body.n):
                         completion_tokens[j] += len(c.token_ids)
-                        text = c.text if echoed[j] else texts[i] + c.text
-                        echoed[j] = True
                         logprobs = None
                         if c.logprobs is not None:
                             logprobs = completion_logprobs(c.token_ids, c.logprobs, offsets[j])
-                            offsets[j] += len(text)
+                            if not echoed[j]:
+                                logprobs = join_logprobs(echo_logprobs(i, prompt_lps), logprobs)
+                        text = c.text if echoed[j] else texts[i] + c.text
+                        echoed[j] = True
+                        offsets[j] += len(text)
                         if text or c.token_ids or c.finish_reason is not None:
                             yield _sse(chunk(j, text, c.finish_reason, c.stop_reason, logprobs))
                     if include_usage:
@@ -207,12 +216,19 @@ class OpenAIServing:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        finals = await self._collect(streams, body.n, raw)
+        finals, prompt_lps = await self._collect(streams, body.n, raw)
         choices = []
         for j, (text, token_ids, finish, stop_reason, logprobs) in enumerate(finals):
-            choices.append({"index": j, "text": (texts[j // body.n] if body.echo else "") + text,
-                            "logprobs": None if logprobs is None else completion_logprobs(token_ids, logprobs, 0),
-                            "finish_reason": finish, "stop_reason": stop_reason})
+            i = j // body.n
+            if logprobs is not None:
+                logprobs = completion_logprobs(token_ids, logprobs, 0)
+                if body.echo:
+                    logprobs = join_logprobs(echo_logprobs(i, prompt_lps[i]), logprobs)
+            choice = {"index": j, "text": (texts[i] if body.echo else "") + text, "logprobs": logprobs,
+                      "finish_reason": finish, "stop_reason": stop_reason}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(prompt_lps[i])
+            choices.append(choice)
         return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                              "choices": choices,
                              "usage": self._usage(prompt_lens, [len(f[1]) for f in finals])})
@@ -228,7 +244,8 @@ class OpenAIServing:
             raise InvalidRequest(str(e), "messages") from None
         except Exception as e:  # a template that rejects the conversation (jinja2 raise_exception)
             raise InvalidRequest(f"the chat template rejected the messages: {e}", "messages") from None
-        streams, prompt_lens = self._start([{"prompt_token_ids": ids}], body.to_sampling_params)
+        streams, prompts_ids = self._start([{"prompt_token_ids": ids}], body.to_sampling_params)
+        prompt_lens = [len(ids)]
         request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name
 
         if body.stream:
@@ -247,7 +264,7 @@ class OpenAIServing:
                 for j in range(body.n):
                     yield _sse(chunk(j, {"role": "assistant", "content": ""}))
                 try:
-                    async for j, _, c in _choices(streams, body.n):
+                    async for j, _, c, _ in _choices(streams, body.n):
                         completion_tokens += len(c.token_ids)
                         if c.text or (c.logprobs and c.token_ids):
                             logprobs = None if c.logprobs is None else \
@@ -266,26 +283,33 @@ class OpenAIServing:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        finals = await self._collect(streams, body.n, raw)
+        finals, prompt_lps = await self._collect(streams, body.n, raw)
         choices = [{"index": j, "message": {"role": "assistant", "content": text},
                     "logprobs": None if logprobs is None else chat_logprobs(token_ids, logprobs, body.top_logprobs or 0),
                     "finish_reason": finish, "stop_reason": stop_reason}
                    for j, (text, token_ids, finish, stop_reason, logprobs) in enumerate(finals)]
-        return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                             "choices": choices, "usage": self._usage(prompt_lens, [len(f[1]) for f in finals])})
+        response = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+                    "choices": choices, "usage": self._usage(prompt_lens, [len(f[1]) for f in finals])}
+        if body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_json(prompt_lps[0])
+        return JSONResponse(response)
 
     # -- shared --
 
-    async def _collect(self, streams: list[AsyncIterator[RequestOutput]], n: int, raw: Request) -> list[tuple]:
-        """Run the requests to the end, one (text, token ids, finish reason, stop reason, logprobs) per choice;
-        a client that disconnects meanwhile aborts them."""
+    async def _collect(self, streams: list[AsyncIterator[RequestOutput]], n: int,
+                       raw: Request) -> tuple[list[tuple], list[list | None]]:
+        """Run the requests to the end: one (text, token ids, finish reason, stop reason, logprobs) per choice,
+        and each prompt's logprobs (None unless asked); a client that disconnects meanwhile aborts them."""
         num = len(streams) * n
+        prompt_logprobs: list[list | None] = [None] * len(streams)
         texts, tokens = [""] * num, [[] for _ in range(num)]
         logprobs: list[list | None] = [None] * num
         finals: list[tuple] = [("", [], None, None, None)] * num
         choices = _choices(streams, n)
         try:
-            async for j, _, c in choices:
+            async for j, i, c, prompt_lps in choices:
+                if prompt_lps is not None:
+                    prompt_logprobs[i] = prompt_lps
                 texts[j] += c.text
                 tokens[j] += c.token_ids
                 if c.logprobs is not None:
@@ -295,7 +319,7 @@ class OpenAIServing:
                     raise asyncio.CancelledError
         finally:
             await choices.aclose()
-        return finals
+        return finals, prompt_logprobs
 
     @staticmethod
     def _usage(prompt_lens: list[int], completion_lens: list[int]) -> dict[str, int]:

@@ -62,13 +62,16 @@ class _SamplingRequest(BaseModel):
 
     def _unsupported(self) -> dict[str, Any]:
         """Fields set to a value mrv2 cannot honour yet (name -> neutral value)."""
-        return {"prompt_logprobs": None}
+        return {}
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
     def _logprobs(self) -> int | None:
         return None
+
+    def _prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """SamplingParams for this request (streamed outputs as deltas); InvalidRequest names a bad field."""
@@ -97,7 +100,8 @@ class _SamplingRequest(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
-                logprobs=self._logprobs(), output_kind=RequestOutputKind.DELTA)
+                logprobs=self._logprobs(), prompt_logprobs=self._prompt_logprobs(),
+                output_kind=RequestOutputKind.DELTA)
         except ValueError as e:
             raise InvalidRequest(str(e), str(e).split(" ", 1)[0]) from None
 
@@ -116,10 +120,12 @@ class CompletionRequest(_SamplingRequest):
         return super()._unsupported() | {"suffix": None}
 
     def _logprobs(self) -> int | None:
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequest("echo with logprobs needs the prompt's logprobs, which are not supported yet",
-                                 "echo")
         return self.logprobs
+
+    def _prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:  # the echoed prompt comes with its logprobs
+            return max(self.prompt_logprobs or 0, self.logprobs)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[dict[str, Any]]:
         """The prompts as engine inputs: text or token ids, one request each."""
