@@ -36,20 +36,18 @@ def plan_prompt_logprobs(req_ids: list[str], idx_cpu: np.ndarray, num_scheduled:
                          wanted: np.ndarray) -> PromptLogprobsPlan | None:
     """Host work at launch; `num_computed`, `prompt_len`, `wanted` (-1: none) are per batch row."""
     rows = np.nonzero(wanted >= 0)[0]
-    requests, index, slots, targets = [], [], [], []
-    for i in rows.tolist():  # only requests that asked, and only while they prefill their prompt
-        start = int(num_computed[i])
-        end = min(start + int(num_scheduled[i]), int(prompt_len[i]) - 1)
-        if end <= start:
-            continue
-        requests.append((req_ids[i], start + 1, end - start))
-        index.append(np.arange(end - start) + query_start_loc[i])
-        slots.append(np.full(end - start, idx_cpu[i]))
-        targets.append(np.arange(start + 1, end + 1))
-    if not requests:
+    start = num_computed[rows]
+    count = np.minimum(start + num_scheduled[rows], prompt_len[rows] - 1) - start
+    keep = count > 0  # only while they prefill their prompt
+    rows, start, count = rows[keep], start[keep], count[keep]
+    if not rows.size:
         return None
-    return PromptLogprobsPlan(requests, np.concatenate(index), np.concatenate(slots), np.concatenate(targets),
-                              int(wanted[rows].max()))
+    # Scored token t of row r: batch index qsl[r] + t, target position start[r] + 1 + t.
+    offset = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    return PromptLogprobsPlan(
+        [(req_ids[r], int(s) + 1, int(c)) for r, s, c in zip(rows.tolist(), start.tolist(), count.tolist())],
+        np.repeat(query_start_loc[rows], count) + offset, np.repeat(idx_cpu[rows], count),
+        np.repeat(start + 1, count) + offset, int(wanted[rows].max()))
 
 
 def score_prompt(plan: PromptLogprobsPlan, hidden: torch.Tensor, token_ids: torch.Tensor, compute_logits,
