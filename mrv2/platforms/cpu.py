@@ -70,6 +70,12 @@ class CpuPlatform(Platform):
     # at 8 with weights in cache (from DRAM int4 reads a quarter of the bytes), 2.2x slower
     # at 64 rows. In fp32 the kernel is not vectorized (8 ms for a 3072 x 576 weight).
     int4_max_rows = 8
+    # Where native bf16 also prepacks the dense copy (`linear_pack_rows`), dense GEMMs win
+    # earlier: on a 2 vCPU Sapphire Rapids, one layer's four GEMMs in cache took int4 / packed
+    # 162 / 167 us at 1 row, 245 / 147 at 4, 446 / 154 at 5 (the int4 kernel's cost steps up
+    # past 4 rows), 450 / 155 at 8; whole decode steps, weights from DRAM, int4 / dense: 24.5
+    # / 41.0 ms at batch 1, 22.4 / 42.4 at 2, 47.5 / 41.0 at 8.
+    int4_max_rows_packed = 4
 
     def quant_policy(self, dtype: torch.dtype, quantization: str | None) -> tuple[QuantPolicy, str]:
         if quantization is None:
@@ -80,8 +86,9 @@ class CpuPlatform(Platform):
         if not {"avx2", "avx512f"} & self.flags:
             return QuantPolicy(), "torch's int4 CPU kernel needs AVX2 or AVX-512"
         budget = self.free_memory() // 4 if quantization == "auto" else 0
-        return QuantPolicy(self.int4_max_rows, budget), (
-            f"torch's int4 kernel for up to {self.int4_max_rows} rows (faster than dense GEMMs there), "
+        rows = self.int4_max_rows_packed if self.supports_native_bf16() else self.int4_max_rows
+        return QuantPolicy(rows, budget), (
+            f"torch's int4 kernel for up to {rows} rows (faster than dense GEMMs there), "
             + ("dense bf16 GEMMs above when a copy fits a quarter of free memory" if budget else
                "and above (quantization='gguf': no dense copy)"))
 
