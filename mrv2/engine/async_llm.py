@@ -69,6 +69,7 @@ class AsyncLLM:
         self._times: dict[str, RequestTimes] = {}
         self._stopped = threading.Event()
         self._dead: BaseException | None = None
+        self._num_aborted = 0  # requests aborted since stats were last logged
         self._thread = threading.Thread(target=self._run, name="mrv2-engine", daemon=True)
         self._thread.start()
 
@@ -185,6 +186,7 @@ class AsyncLLM:
                 for req_id in req_ids:
                     if (stream := self._streams.pop(req_id, None)) is not None:
                         stream.put_aborted()  # a generator that asked for it is gone already
+                        self._num_aborted += 1
                     self._times.pop(req_id, None)
 
     def _fail_dropped(self, error: Exception) -> None:
@@ -196,6 +198,8 @@ class AsyncLLM:
     def _log_stats(self, iteration: IterationStats) -> None:
         if not self.stat_loggers:
             return
+        iteration.finish_reasons += ["abort"] * self._num_aborted
+        self._num_aborted = 0
         scheduler = self.engine.scheduler
         sched = SchedulerStats(len(scheduler.running), len(scheduler.waiting), scheduler.block_pool.usage,
                                scheduler.num_preemptions)

@@ -18,13 +18,20 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeat for several)")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
 
 
 def sampling_params(args: argparse.Namespace, seed: int | None):
     from mrv2.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, seed=seed)
+                          top_k=args.top_k, min_p=args.min_p, seed=seed, min_tokens=args.min_tokens, stop=args.stop,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty)
 
 
 def _read_inputs(path: str) -> list[Any]:

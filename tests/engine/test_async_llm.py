@@ -113,3 +113,31 @@ def test_shutdown_fails_streams_in_flight_and_new_requests():
 
     assert asyncio.run(main()) >= 2
     assert not llm.is_running and llm.engine.scheduler.block_pool.is_whole()
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_the_next(async_llm):
+    model = async_llm.engine.runner.model
+    forward = model.forward
+    failures = []
+
+    def failing_once(*args, **kwargs):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected fault in the forward")
+        return forward(*args, **kwargs)
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def main():
+        model.forward = failing_once
+        try:
+            with pytest.raises(RuntimeError, match="injected fault"):
+                await _collect(async_llm, PROMPTS[0], params)
+        finally:
+            del model.forward  # back to the class's method
+        return await _collect(async_llm, PROMPTS[1], params)
+
+    _, final = asyncio.run(main())
+    assert failures and len([t for t in final.outputs[0].token_ids]) > 0
+    _wait_idle(async_llm)
+    assert async_llm.engine.scheduler.block_pool.is_whole() and async_llm.is_running

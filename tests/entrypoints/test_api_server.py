@@ -51,13 +51,15 @@ class Server:
         self.stop()
         raise RuntimeError("server did not become healthy")
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, raw: bool = False) -> dict[str, float]:
+        """Sample values by metric name, summed over labels (by the full sample name when `raw`)."""
         text = urllib.request.urlopen(self.url + "/metrics", timeout=5).read().decode()
         values = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
                 name, value = line.rsplit(" ", 1)
-                values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
+                key = name if raw else name.split("{")[0]
+                values[key] = values.get(key, 0.0) + float(value)
         return values
 
     def wait_idle(self) -> dict[str, float]:
@@ -279,7 +281,7 @@ def test_32_concurrent_clients(server, default_llm):
 
 
 def test_a_client_killed_mid_stream_frees_its_request(server):
-    before = server.metrics()
+    before = server.metrics() | server.metrics(raw=True)
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     body = json.dumps({"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "temperature": 0,
                        "stream": True, "ignore_eos": True})
@@ -296,6 +298,8 @@ def test_a_client_killed_mid_stream_frees_its_request(server):
     after = server.wait_idle()
     assert after["mrv2:num_requests_running"] == 0 and after["mrv2:kv_cache_usage_perc"] == 0
     assert after["mrv2:generation_tokens_total"] - before["mrv2:generation_tokens_total"] < 400
+    aborted = 'mrv2:request_success_total{finished_reason="abort",model_name="smol"}'
+    assert server.metrics(raw=True).get(aborted, 0) - before.get(aborted, 0) == 1
 
 
 @pytest.mark.parametrize("kwargs,param", [

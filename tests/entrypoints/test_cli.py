@@ -29,6 +29,19 @@ def test_generate_prints_the_completion(default_llm):
     assert r.stdout.strip() == expected.strip()
 
 
+def test_generate_with_stop_strings_and_penalties(default_llm):
+    from mrv2 import SamplingParams
+
+    args = ("generate", "The capital of France is", "--max-tokens", "24", "--max-model-len", "512", "--stop", "answer",
+            "--stop", "United", "--repetition-penalty", "1.2", "--presence-penalty", "0.5")
+    r = run(*args)
+    assert r.returncode == 0, r.stderr
+    params = SamplingParams(temperature=0, max_tokens=24, stop=["answer", "United"], repetition_penalty=1.2,
+                            presence_penalty=0.5)
+    expected = default_llm.generate("The capital of France is", params)[0].outputs[0]
+    assert r.stdout.strip() == expected.text.strip() and expected.finish_reason == "stop"
+
+
 @pytest.mark.parametrize("mode", ["full", "piecewise"])
 def test_generate_with_graph_mode(default_llm, mode):
     r = run("generate", "The capital of France is", "--max-tokens", "8", "--max-model-len", "512",
@@ -74,6 +87,7 @@ def test_chat_session_keeps_history():
     (["generate", "hi", "--temperature", "-1"], "temperature"),
     (["generate", "hi", "--top-p", "0"], "top_p"),
     (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "hi", "--presence-penalty", "5"], "presence_penalty"),
     (["generate"], "prompt"),
     (["generate", "hi", "--graph-capture-sizes", "1,x"], "--graph-capture-sizes"),
     (["generate", "hi", "--graph-capture-sizes", "0"], "capture_sizes"),
