@@ -44,7 +44,10 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+            pass
 
     def put_aborted(self) -> None:
         """The last output of a request aborted from outside its generator."""

@@ -141,3 +141,17 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_the_next(async_
     assert failures and len([t for t in final.outputs[0].token_ids]) > 0
     _wait_idle(async_llm)
     assert async_llm.engine.scheduler.block_pool.is_whole() and async_llm.is_running
+
+
+def test_a_stream_whose_event_loop_closed_does_not_stop_the_engine(async_llm):
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def start_and_leave():
+        agen = async_llm.generate(PROMPTS[0], params)
+        await agen.__anext__()  # running; the loop then closes with the generator never closed
+
+    asyncio.run(start_and_leave())  # asyncio.run finalizes the generator: an abort, then the loop closes
+    _wait_idle(async_llm)
+    _, final = asyncio.run(_collect(async_llm, PROMPTS[1], SamplingParams(temperature=0, max_tokens=3)))
+    assert async_llm.is_running and len(final.outputs[0].token_ids) == 3
+    assert async_llm.engine.scheduler.block_pool.is_whole()
