@@ -76,6 +76,7 @@ class CacheConfig:
     `layout` is "joint" (K and V of a layer in one tensor) or "split" (K and V as
     separate contiguous tensors). `kv_transfer` marks the cache for registration
     with a KV transfer engine, which forces 2 MiB base-address alignment.
+    `enable_prefix_caching` lets requests share the KV blocks of a common prefix.
     """
 
     block_size: int = 16
@@ -84,6 +85,7 @@ class CacheConfig:
     layout: KVLayout = "joint"
     kv_transfer: bool = False
     alignment: int | None = None  # None: the platform's default
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", choices=["auto", "gguf", "none"], default="auto",
                    help="a GGUF file's quantized tensors: auto: int4 kernels where fast (+ a dense copy for large "
                         "batches when it fits), gguf: int4 only, none: dequantize")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prefixes shared between requests (default: on)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -54,4 +56,4 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 kv_cache_memory=args.kv_cache_memory, device=args.device, enforce_eager=args.enforce_eager,
                 graph_mode=args.graph_mode, graph_capture_sizes=_sizes(args.graph_capture_sizes),
                 graph_compile=args.graph_compile, async_scheduling=args.async_scheduling, seed=args.seed,
-                quantization=args.quantization)
+                quantization=args.quantization, enable_prefix_caching=args.enable_prefix_caching)

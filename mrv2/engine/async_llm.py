@@ -204,8 +204,9 @@ class AsyncLLM:
         iteration.finish_reasons += ["abort"] * self._num_aborted
         self._num_aborted = 0
         scheduler = self.engine.scheduler
+        kv = scheduler.kv_cache_manager
         sched = SchedulerStats(len(scheduler.running), len(scheduler.waiting), scheduler.block_pool.usage,
-                               scheduler.num_preemptions)
+                               scheduler.num_preemptions, kv.num_queried_tokens, kv.num_hit_tokens)
         for stat_logger in self.stat_loggers:
             stat_logger.record(sched, iteration)
 

@@ -30,14 +30,15 @@ def engine_config(model: str | None = None, *, tokenizer: str | None = None, dty
                   enable_chunked_prefill: bool = True, enforce_eager: bool = False, seed: int = 0,
                   device: str | None = None, graph_mode: str | None = None,
                   graph_capture_sizes: Sequence[int] | None = None, graph_compile: bool | None = None,
-                  async_scheduling: bool | None = None, quantization: str | None = "auto") -> EngineConfig:
+                  async_scheduling: bool | None = None, quantization: str | None = "auto",
+                  enable_prefix_caching: bool = True) -> EngineConfig:
     """The EngineConfig for `LLM(...)` / `AsyncLLM(...)` keyword arguments (see `LLM`)."""
     return EngineConfig(
         model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed,
                           quantization=quantization),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                           memory_fraction=kv_cache_memory_fraction, layout=kv_cache_layout,
-                          kv_transfer=kv_transfer),
+                          kv_transfer=kv_transfer, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   enable_chunked_prefill=enable_chunked_prefill),
         graph=None if (graph_mode, graph_capture_sizes, graph_compile) == (None, None, None) else GraphConfig(
@@ -63,11 +64,16 @@ class LLM:
     scheduling and input preparation of the next step with the current step's compute
     (default: the platform's; see `mrv2 bench throughput`). `quantization` ("auto",
     "gguf" or None) keeps a GGUF file's quantized tensors quantized or dequantizes them
-    (see `ModelConfig`).
+    (see `ModelConfig`). `enable_prefix_caching` lets requests reuse the KV blocks of a
+    prefix another request computed (vLLM's automatic prefix caching).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(engine_config(model, **kwargs))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block; False (nothing done) while requests are running."""
+        return self.engine.reset_prefix_cache()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

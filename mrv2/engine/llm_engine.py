@@ -80,7 +80,8 @@ class LLMEngine:
         alignment = config.cache.base_alignment(self.platform.kv_alignment)
         kv = self.runner.initialize_kv_cache(num_blocks, alignment)
         self.runner.capture_graphs()
-        self.scheduler = Scheduler(config.scheduler, config.cache.block_size, num_blocks, max_model_len)
+        self.scheduler = Scheduler(config.scheduler, config.cache.block_size, num_blocks, max_model_len,
+                                   config.cache.enable_prefix_caching)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s layout, %d B aligned); max concurrency "
                     "%.1f requests of %d tokens; ready in %.1f s", num_blocks, config.cache.block_size,
                     kv.raw.numel() / 2**20, config.cache.layout, alignment,
@@ -199,6 +200,10 @@ class LLMEngine:
         """End these requests now (unknown or finished ids are ignored); their blocks return."""
         self.scheduler.abort_requests(self.output_processor.child_ids(request_ids))
         self.output_processor.remove(request_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (only while no request holds one: False otherwise)."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting or running, or launched steps whose outputs are still to be processed."""

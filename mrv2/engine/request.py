@@ -86,6 +86,9 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = \
             [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None
         self.num_prompt_logprobs = 0  # positions filled so far
+        # Chained hashes of the full blocks of known tokens (prefix caching), extended as tokens arrive.
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0  # leading blocks of `block_ids` already registered in the cache
         # Draft tokens proposed for the next step (verified there, then cleared).
         self.spec_token_ids: list[int] = []
 

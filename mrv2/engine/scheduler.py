@@ -36,7 +36,7 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, block_size: int, num_gpu_blocks: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, enable_prefix_caching: bool = False) -> None:
         if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) must be at least "
@@ -46,7 +46,8 @@ class Scheduler:
         self.block_pool = BlockPool(num_gpu_blocks)
         self.model_max_len = max_model_len
         self.max_model_len = min(max_model_len, self.block_pool.num_usable_blocks * block_size + 1)
-        self.kv_cache_manager = KVCacheManager(self.block_pool, block_size, self.max_model_len)
+        self.kv_cache_manager = KVCacheManager(self.block_pool, block_size, self.max_model_len,
+                                               enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -154,13 +155,19 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_steps_in_flight:
                 break  # preempted with a step in flight: its token arrives first (FCFS holds)
-            num_new = request.num_tokens - request.num_computed_tokens
+            # A request without blocks (new, or preempted) starts after its longest cached prefix.
+            computed = self.kv_cache_manager.get_computed_blocks(request) if not request.block_ids else []
+            num_hit = len(computed) * self.block_size
+            num_new = request.num_tokens - num_hit
             if num_new > budget:
                 if not chunked:
                     break
                 num_new = budget
-            if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            request.num_computed_tokens = num_hit
+            if self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
+                request.num_computed_tokens = 0
                 break
+            self.kv_cache_manager.record_lookup(request.num_tokens, num_hit)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

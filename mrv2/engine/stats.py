@@ -22,6 +22,8 @@ class SchedulerStats:
     num_waiting: int
     kv_cache_usage: float  # fraction of usable KV blocks in use
     num_preemptions: int  # since the engine started
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since the start
+    prefix_cache_hits: int = 0  # of those, tokens found
 
 
 @dataclass

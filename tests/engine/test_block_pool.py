@@ -1,4 +1,4 @@
-"""BlockPool and KVCacheManager: allocation, FIFO reuse, null block, double free."""
+"""BlockPool and KVCacheManager: allocation, FIFO reuse, null block, double free, prefix caching."""
 
 import pytest
 
@@ -43,7 +43,7 @@ def test_ref_counts():
     pool = BlockPool(3)
     (b,) = pool.allocate(1)
     assert pool.ref_cnt[b] == 1 and pool.ref_cnt[NULL_BLOCK_ID] == 1
-    pool.ref_cnt[b] += 1  # a second holder, as prefix caching will do
+    pool.touch([b])  # a second holder, as a prefix-cache hit takes
     pool.free([b])
     assert pool.num_free_blocks == 1
     pool.free([b])
@@ -76,3 +76,61 @@ def test_kv_cache_manager_rejects_overlong():
     kv = KVCacheManager(BlockPool(100), block_size=4, max_model_len=16)
     with pytest.raises(ValueError, match="max_model_len"):
         kv.allocate_slots(_req(4), 17)
+
+
+def test_cached_blocks_stay_findable_when_free_and_are_evicted_oldest_first():
+    pool = BlockPool(5)
+    a, b, c, d = pool.allocate(4)
+    for block, key in ((a, b"A"), (b, b"B"), (c, b"C")):
+        pool.cache_block(block, key)
+    pool.cache_block(d, b"A")  # a second block with a cached hash stays uncached
+    assert pool.cached_block(b"A") == a and pool.block_hash[d] is None
+    pool.free([c, b, a, d])  # free order: c, b, a, d
+    assert pool.is_whole() and pool.num_cached_blocks == 3
+    pool.touch([b])  # a hit on a free cached block takes it out of the queue
+    assert pool.ref_cnt[b] == 1 and pool.num_free_blocks == 3
+    assert pool.allocate(1) == [c] and pool.cached_block(b"C") is None  # the oldest free one is evicted
+    assert pool.cached_block(b"A") == a and pool.cached_block(b"B") == b
+    assert not pool.reset_prefix_cache()  # blocks are held
+    pool.free([b, c])
+    assert pool.reset_prefix_cache() and pool.num_cached_blocks == 0 and pool.is_whole()
+
+
+def _prompt_req(req_id: str, tokens: list[int]) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=4))
+
+
+def test_kv_cache_manager_shares_full_prefix_blocks_and_always_computes_the_last_token():
+    pool = BlockPool(12)
+    kv = KVCacheManager(pool, block_size=4, max_model_len=64, enable_caching=True)
+    first = _prompt_req("a", list(range(10)))
+    assert kv.get_computed_blocks(first) == []
+    kv.allocate_slots(first, 10)
+    assert pool.num_cached_blocks == 2  # the two full blocks, at once
+    same_prefix = _prompt_req("b", list(range(9)) + [99, 98])
+    hits = kv.get_computed_blocks(same_prefix)
+    assert hits == first.block_ids[:2]
+    same_prefix.num_computed_tokens = 8
+    kv.allocate_slots(same_prefix, 3, hits)
+    assert same_prefix.block_ids[:2] == first.block_ids[:2] and pool.ref_cnt[first.block_ids[0]] == 2
+    exact = _prompt_req("c", list(range(8)))  # whole blocks: the last one is recomputed, never shared
+    assert kv.get_computed_blocks(exact) == first.block_ids[:1]
+    other = _prompt_req("d", [7] + list(range(1, 10)))
+    assert kv.get_computed_blocks(other) == []  # chained: a different first block changes every hash
+    for r in (first, same_prefix):
+        kv.free(r)
+    assert pool.is_whole() and pool.num_cached_blocks == 2
+
+
+def test_hits_on_free_cached_blocks_count_against_the_free_blocks():
+    pool = BlockPool(4)  # 3 usable blocks
+    kv = KVCacheManager(pool, block_size=4, max_model_len=64, enable_caching=True)
+    first = _prompt_req("a", list(range(9)))
+    kv.allocate_slots(first, 9)
+    kv.free(first)
+    second = _prompt_req("b", list(range(8)) + [50, 51, 52, 53, 54])  # 13 tokens: 4 blocks
+    hits = kv.get_computed_blocks(second)
+    assert len(hits) == 2
+    second.num_computed_tokens = 8
+    assert kv.allocate_slots(second, 5, hits) is None  # 2 new + 2 reclaimed > 3 free
+    assert pool.is_whole() and second.block_ids == []

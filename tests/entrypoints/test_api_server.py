@@ -369,6 +369,12 @@ def test_metrics_count_tokens_and_latencies(server, client):
     assert after["mrv2:inter_token_latency_seconds_count"] - before["mrv2:inter_token_latency_seconds_count"] == 4
     assert after["mrv2:e2e_request_latency_seconds_count"] - before["mrv2:e2e_request_latency_seconds_count"] == 1
     assert "mrv2:num_preemptions_total" in after
+    hits = after["mrv2:prefix_cache_hits_total"]
+    client.completions.create(model=MODEL, prompt="The capital of France is " * 8, max_tokens=2)
+    client.completions.create(model=MODEL, prompt="The capital of France is " * 8, max_tokens=2)
+    again = server.wait_idle()
+    assert again["mrv2:prefix_cache_hits_total"] - hits >= 32  # the second request reused two blocks
+    assert again["mrv2:prefix_cache_queries_total"] > after["mrv2:prefix_cache_queries_total"]
 
 
 def test_no_key_server_and_sigterm_mid_stream_exits_cleanly():

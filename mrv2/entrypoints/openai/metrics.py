@@ -34,6 +34,8 @@ class PrometheusStatLogger:
         self.waiting = gauge("mrv2:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("mrv2:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
         self.preemptions = counter("mrv2:num_preemptions", "Requests preempted to free KV-cache blocks.")
+        self.prefix_queries = counter("mrv2:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("mrv2:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("mrv2:prompt_tokens", "Prompt tokens of requests that got a first token.")
         self.generation_tokens = counter("mrv2:generation_tokens", "Generated tokens.")
         self.ttft = histogram("mrv2:time_to_first_token_seconds", "Time from arrival to the first token.")
@@ -43,6 +45,7 @@ class PrometheusStatLogger:
                                 labels + ["finished_reason"], registry=r)
         self._model_name = model_name
         self._preemptions_seen = 0
+        self._queries_seen = self._hits_seen = 0
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         self.running.set(scheduler.num_running)
@@ -51,6 +54,9 @@ class PrometheusStatLogger:
         if scheduler.num_preemptions > self._preemptions_seen:
             self.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = scheduler.num_preemptions
+        self.prefix_queries.inc(scheduler.prefix_cache_queries - self._queries_seen)
+        self.prefix_hits.inc(scheduler.prefix_cache_hits - self._hits_seen)
+        self._queries_seen, self._hits_seen = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
         self.generation_tokens.inc(iteration.num_generation_tokens)
         for value in iteration.time_to_first_tokens:
