@@ -64,12 +64,11 @@ class TorchMLAAttention(TorchPagedAttention):
             n = g.num_rows
             fn = self._absorbed if self.decode_absorbed else self._up_projected
             out[:n] = fn(q_nope[:n, :, None], q_pe[:n, :, None], cache, g, w_kv_b, scale)[:, :, 0]
-        if metadata.prefill is not None:
-            g = metadata.prefill
+        for g in metadata.prefills:
             qn, qp = q_nope[g.query_index].transpose(1, 2), q_pe[g.query_index].transpose(1, 2)  # [P, H, Lq, *]
             fn = self._absorbed if self.prefill_absorbed else self._up_projected
             o = fn(qn, qp, cache, g, w_kv_b, scale)  # [P, H, Lq, v]
-            out[metadata.prefill_start:num_tokens] = o.transpose(1, 2).flatten(0, 1)[g.out_index]
+            out[g.token_start:g.token_end] = o.transpose(1, 2).flatten(0, 1)[g.out_index]
         return out
 
     @staticmethod

@@ -15,7 +15,7 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -39,6 +39,7 @@ class TimedRun:
     seconds: float
     host_wait_share: float
     token_ids: list[list[int]]
+    ttft: list[float] | None = None  # per request, seconds from the start to its first token (streamed runs)
 
 
 class BenchEngine(ABC):
@@ -49,6 +50,11 @@ class BenchEngine(ABC):
     @abstractmethod
     def timed_generate(self, prompts: list[list[int]], params: Any) -> TimedRun:
         """Generate from token-id prompts with `params` (a `SamplingParams`), timed."""
+
+    @abstractmethod
+    def timed_stream(self, prompts: list[list[int]], params: Any, cold_cache: bool = True) -> TimedRun:
+        """Like `timed_generate`, with each request's time to first token; from an empty prefix cache
+        when `cold_cache`."""
 
     def close(self) -> None:
         """Release the engine."""
@@ -69,6 +75,30 @@ class LocalEngine(BenchEngine):
         seconds = time.perf_counter() - t0
         return TimedRun(seconds, timing.wait_share(seconds), [o.outputs[0].token_ids for o in outputs])
 
+    def timed_stream(self, prompts: list[list[int]], params: Any, cold_cache: bool = True) -> TimedRun:
+        from mrv2.sampling_params import RequestOutputKind
+
+        engine = self.llm.engine
+        if cold_cache and not self.llm.reset_prefix_cache():
+            raise RuntimeError("the prefix cache cannot be reset while requests run")
+        params = replace(params, output_kind=RequestOutputKind.DELTA)
+        requests = [engine.make_request({"prompt_token_ids": p}, params) for p in prompts]
+        index = {r.req_id: i for i, r in enumerate(requests)}
+        tokens: list[list[int]] = [[] for _ in prompts]
+        ttft: list[float | None] = [None] * len(prompts)
+        engine.runner.timing.reset()
+        t0 = time.perf_counter()
+        for r in requests:
+            engine.add_request(r)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                i = index[out.request_id]
+                if out.outputs[0].token_ids and ttft[i] is None:
+                    ttft[i] = time.perf_counter() - t0
+                tokens[i] += out.outputs[0].token_ids
+        seconds = time.perf_counter() - t0
+        return TimedRun(seconds, engine.runner.timing.wait_share(seconds), tokens, [t or seconds for t in ttft])
+
     def close(self) -> None:
         self.llm.engine.shutdown()
 
@@ -85,7 +115,10 @@ class IsolatedEngine(BenchEngine):
         self.info = self._call(None)
 
     def timed_generate(self, prompts: list[list[int]], params: Any) -> TimedRun:
-        return self._call((prompts, params))
+        return self._call(("generate", prompts, params))
+
+    def timed_stream(self, prompts: list[list[int]], params: Any, cold_cache: bool = True) -> TimedRun:
+        return self._call(("stream", prompts, params, cold_cache))
 
     def close(self) -> None:
         if self._proc.is_alive():
@@ -146,5 +179,6 @@ def _serve(conn: Any, kwargs: dict[str, Any]) -> None:
             break
         if request == "close":
             break
-        conn.send(_outcome(lambda: engine.timed_generate(*request)))
+        method = engine.timed_generate if request[0] == "generate" else engine.timed_stream
+        conn.send(_outcome(lambda: method(*request[1:])))
     engine.close()

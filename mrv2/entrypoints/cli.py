@@ -182,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(sv)
     sv.set_defaults(func=run_serve)
 
+    from mrv2.bench.prefix import add_args as add_prefix_args, run as run_prefix
+
+    pf = bench_sub.add_parser("prefix", help="a shared-prefix workload with prefix caching on and off")
+    add_prefix_args(pf)
+    add_engine_args(pf)
+    pf.set_defaults(func=run_prefix)
+
     from mrv2.bench.mla import add_args as add_mla_args, run as run_mla
 
     mla = bench_sub.add_parser("mla", help="MLA KV bytes per token and decode step time, absorbed vs up-projected")

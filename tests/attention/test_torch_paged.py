@@ -29,6 +29,8 @@ SCENARIOS = {
     "prefill": [(0, 23), (0, 40), (0, 2)],
     "prefill_cached": [(20, 13), (3, 30), (33, 4)],
     "mixed": [(45, 1), (16, 1), (0, 19), (33, 7), (4, 3)],
+    # One long prompt beside short cached-prefix chunks: several prefill groups.
+    "long_and_short": [(3, 1), (0, 60), (48, 4), (50, 2), (47, 5), (0, 3)],
 }
 HEADS = {"gqa": (8, 2), "mha": (4, 4)}
 
@@ -238,3 +240,14 @@ def test_with_metadata_from_input_buffers(layout):
         cache = make_cache(case, heads, layout, "finite", seed=10 + layer)
         out = backend.forward(q, k, v, cache, meta, D ** -0.5)[:batch.num_tokens]
         torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_rows_split_into_groups_without_padding_waste():
+    from mrv2.attention.torch_paged import _group_bounds
+
+    assert _group_bounds(np.array([1056, 32, 32, 32]), np.array([1056, 1056, 1056, 1056]), 5) == [5, 6, 9]
+    assert _group_bounds(np.array([32, 30, 31]), np.array([100, 90, 95]), 0) == [0, 3]  # alike: one group
+    case = make_case(SCENARIOS["long_and_short"], HEADS["gqa"], 4)
+    meta = TorchPagedAttention().build_metadata(make_metadata(case))
+    assert len(meta.prefills) >= 2
+    assert [g.token_start for g in meta.prefills[1:]] == [g.token_end for g in meta.prefills[:-1]]
