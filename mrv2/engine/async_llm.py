@@ -25,7 +25,7 @@ from mrv2.engine.llm import engine_config
 from mrv2.engine.llm_engine import LLMEngine
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.engine.request import Request
-from mrv2.engine.stats import IterationStats, RequestTimes, SchedulerStats, StatLogger
+from mrv2.engine.stats import IterationStats, LoggingStatLogger, RequestTimes, SchedulerStats, StatLogger
 from mrv2.sampling_params import SamplingParams
 
 logger = logging.getLogger("mrv2")
@@ -59,13 +59,14 @@ class AsyncLLM:
     """An engine for concurrent callers: `async for out in llm.generate(prompt, params)`.
 
     Takes the same arguments as `LLM`. `stat_loggers` receive the scheduler's state and
-    each step's token counts and latencies (see `engine/stats.py`).
+    each step's token counts and latencies (see `engine/stats.py`); with `log_stats` the
+    engine also logs throughput, load and the prefix-cache hit rate every 10 s.
     """
 
     def __init__(self, model: str | None = None, *, stat_loggers: list[StatLogger] | None = None,
-                 **kwargs: Any) -> None:
+                 log_stats: bool = True, **kwargs: Any) -> None:
         self.engine = LLMEngine(engine_config(model, **kwargs))
-        self.stat_loggers = list(stat_loggers or [])
+        self.stat_loggers = list(stat_loggers or []) + ([LoggingStatLogger()] if log_stats else [])
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}

@@ -7,11 +7,15 @@ Prometheus metrics are one). Times are `time.monotonic()` seconds.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from mrv2.engine.outputs import RequestOutput
 from mrv2.sampling_params import RequestOutputKind
+
+logger = logging.getLogger("mrv2")
 
 
 @dataclass(frozen=True)
@@ -79,3 +83,30 @@ class StatLogger(Protocol):
     """Receives the engine's state after every step (and once when it goes idle)."""
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None: ...
+
+
+class LoggingStatLogger:
+    """Logs throughput, load, KV-cache usage and the prefix-cache hit rate every `interval` seconds
+    (at INFO, as vLLM's engine does) while the engine is busy."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._last = time.monotonic()
+        self._prompt = self._generated = 0
+        self._queries = self._hits = 0
+
+    def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
+        self._prompt += iteration.num_prompt_tokens
+        self._generated += iteration.num_generation_tokens
+        now = time.monotonic()
+        if now - self._last < self.interval or not (self._prompt or self._generated or scheduler.num_running):
+            return
+        elapsed, self._last = now - self._last, now
+        queries = scheduler.prefix_cache_queries - self._queries
+        hits = scheduler.prefix_cache_hits - self._hits
+        self._queries, self._hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
+        logger.info("Prompt throughput %.1f tok/s, generation %.1f tok/s; running %d, waiting %d requests; "
+                    "KV cache usage %.1f%%; prefix cache hit rate %.1f%%", self._prompt / elapsed,
+                    self._generated / elapsed, scheduler.num_running, scheduler.num_waiting,
+                    100 * scheduler.kv_cache_usage, 100 * hits / queries if queries else 0.0)
+        self._prompt = self._generated = 0

@@ -155,3 +155,16 @@ def test_a_stream_whose_event_loop_closed_does_not_stop_the_engine(async_llm):
     _, final = asyncio.run(_collect(async_llm, PROMPTS[1], SamplingParams(temperature=0, max_tokens=3)))
     assert async_llm.is_running and len(final.outputs[0].token_ids) == 3
     assert async_llm.engine.scheduler.block_pool.is_whole()
+
+
+def test_the_logging_stat_logger_reports_the_prefix_cache_hit_rate(caplog):
+    import logging
+
+    from mrv2.engine.stats import IterationStats, LoggingStatLogger, SchedulerStats
+
+    stat_logger = LoggingStatLogger(interval=0.0)
+    with caplog.at_level(logging.INFO, logger="mrv2"):
+        stat_logger.record(SchedulerStats(3, 1, 0.25, 0, prefix_cache_queries=200, prefix_cache_hits=150),
+                           IterationStats(num_prompt_tokens=200, num_generation_tokens=3))
+    assert "prefix cache hit rate 75.0%" in caplog.text and "running 3, waiting 1" in caplog.text
+    assert "KV cache usage 25.0%" in caplog.text
