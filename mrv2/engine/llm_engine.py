@@ -78,7 +78,13 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.platform, hf_config, weights, self.dtype, quant_policy)
         num_blocks = self._plan_kv_cache()
         alignment = config.cache.base_alignment(self.platform.kv_alignment)
-        kv = self.runner.initialize_kv_cache(num_blocks, alignment)
+        try:
+            kv = self.runner.initialize_kv_cache(num_blocks, alignment)
+        except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeError (OutOfMemoryError)
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {config.cache.block_size} tokens) could not be allocated: "
+                f"{str(e).splitlines()[0][:200]}; lower kv_cache_memory (or kv_cache_memory_fraction, "
+                f"max_num_seqs or max_model_len)") from e
         self.runner.capture_graphs()
         self.scheduler = Scheduler(config.scheduler, config.cache.block_size, num_blocks, max_model_len,
                                    config.cache.enable_prefix_caching)

@@ -208,6 +208,35 @@ def test_params_mutated_after_construction_are_rechecked(default_llm):
     assert default_llm.generate("hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
+def test_a_kv_cache_that_does_not_fit_in_memory_names_kv_cache_memory():
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM(dtype="float32", kv_cache_memory=1 << 50, max_num_seqs=1 << 20, max_model_len=8192)
+
+
+def test_keyboard_interrupt_inside_generate_leaves_the_llm_usable(default_llm):
+    engine = default_llm.engine
+    step = engine.step
+    calls = []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    engine.step = interrupted_step
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            default_llm.generate(["The capital of France is"] * 3, SamplingParams(temperature=0, max_tokens=20))
+    finally:
+        del engine.step
+    out = default_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=5))[0]
+    assert len(out.outputs[0].token_ids) == 5
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.block_pool.is_whole()
+
+
 def test_unknown_model_path_names_the_path(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(ValueError, match=str(missing)):
