@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -168,26 +169,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from mrv2.bench.throughput import add_args as add_throughput_args, run as run_throughput
-
-    tp = bench_sub.add_parser("throughput", help="offline throughput: N prompts x M output tokens")
-    add_throughput_args(tp)
-    add_engine_args(tp)
-    tp.set_defaults(func=run_throughput)
-
-    from mrv2.bench.serve import add_args as add_serve_args, run as run_serve
-
-    sv = bench_sub.add_parser("serve", help="load an OpenAI-compatible server: throughput, TTFT/TPOT/ITL per load")
-    add_serve_args(sv)
-    add_engine_args(sv)
-    sv.set_defaults(func=run_serve)
-
-    from mrv2.bench.prefix import add_args as add_prefix_args, run as run_prefix
-
-    pf = bench_sub.add_parser("prefix", help="a shared-prefix workload with prefix caching on and off")
-    add_prefix_args(pf)
-    add_engine_args(pf)
-    pf.set_defaults(func=run_prefix)
+    benches = (("throughput", "offline throughput: N prompts x M output tokens"),
+               ("serve", "load an OpenAI-compatible server: throughput, TTFT/TPOT/ITL per load"),
+               ("prefix", "a shared-prefix workload with prefix caching on and off"),
+               ("latency", "time to first token and per output token, one request at a time"),
+               ("decode", "decode step time, eager vs the graph path, at several batch sizes"))
+    for name, text in benches:
+        module = importlib.import_module(f"mrv2.bench.{name}")
+        bp = bench_sub.add_parser(name, help=text)
+        module.add_args(bp)
+        add_engine_args(bp)
+        bp.set_defaults(func=module.run)
 
     from mrv2.bench.mla import add_args as add_mla_args, run as run_mla
 
@@ -195,20 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_mla_args(mla)
     mla.add_argument("--device", default=None)
     mla.set_defaults(func=run_mla)
-
-    from mrv2.bench.latency import add_args as add_latency_args, run as run_latency
-
-    lat = bench_sub.add_parser("latency", help="time to first token and per output token, one request at a time")
-    add_latency_args(lat)
-    add_engine_args(lat)
-    lat.set_defaults(func=run_latency)
-
-    from mrv2.bench.decode import add_args as add_decode_args, run as run_decode
-
-    dec = bench_sub.add_parser("decode", help="decode step time, eager vs the graph path, at several batch sizes")
-    add_decode_args(dec)
-    add_engine_args(dec)
-    dec.set_defaults(func=run_decode)
     ev = sub.add_parser("eval", help="quality measurements")
     ev_sub = ev.add_subparsers(dest="eval", required=True)
     ppl = ev_sub.add_parser("perplexity", help="perplexity of the model on a text file (sliding window)")

@@ -66,6 +66,21 @@ def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """A server-sent-event response: the events, an error event if the engine fails mid-stream, [DONE]."""
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except EngineDeadError as e:
+            yield _sse({"error": {"message": str(e), "type": "ServiceUnavailable", "code": 503}})
+        except RuntimeError as e:
+            yield _sse({"error": {"message": str(e), "type": "InternalServerError", "code": 500}})
+        yield _sse("[DONE]")
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
 class _Merged:
     """Outputs of several requests as one stream, tagged with each request's index."""
 
@@ -181,29 +196,23 @@ class OpenAIServing:
                 completion_tokens = [0] * num_choices
                 echoed = [not body.echo] * num_choices
                 offsets = [0] * num_choices
-                try:
-                    async for j, i, c, prompt_lps in _choices(streams, body.n):
-                        completion_tokens[j] += len(c.token_ids)
-                        logprobs = None
-                        if c.logprobs is not None:
-                            logprobs = completion_logprobs(c.token_ids, c.logprobs, offsets[j])
-                            if not echoed[j]:
-                                logprobs = join_logprobs(echo_logprobs(i, prompt_lps), logprobs)
-                        text = c.text if echoed[j] else texts[i] + c.text
-                        echoed[j] = True
-                        offsets[j] += len(text)
-                        if text or c.token_ids or c.finish_reason is not None:
-                            yield _sse(chunk(j, text, c.finish_reason, c.stop_reason, logprobs))
-                    if include_usage:
-                        yield _sse(self._usage_chunk(request_id, "text_completion", created, prompt_lens,
-                                                     completion_tokens))
-                except EngineDeadError as e:
-                    yield _sse({"error": {"message": str(e), "type": "ServiceUnavailable", "code": 503}})
-                except RuntimeError as e:
-                    yield _sse({"error": {"message": str(e), "type": "InternalServerError", "code": 500}})
-                yield _sse("[DONE]")
+                async for j, i, c, prompt_lps in _choices(streams, body.n):
+                    completion_tokens[j] += len(c.token_ids)
+                    logprobs = None
+                    if c.logprobs is not None:
+                        logprobs = completion_logprobs(c.token_ids, c.logprobs, offsets[j])
+                        if not echoed[j]:
+                            logprobs = join_logprobs(echo_logprobs(i, prompt_lps), logprobs)
+                    text = c.text if echoed[j] else texts[i] + c.text
+                    echoed[j] = True
+                    offsets[j] += len(text)
+                    if text or c.token_ids or c.finish_reason is not None:
+                        yield _sse(chunk(j, text, c.finish_reason, c.stop_reason, logprobs))
+                if include_usage:
+                    yield _sse(self._usage_chunk(request_id, "text_completion", created, prompt_lens,
+                                                 completion_tokens))
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return _event_stream(events())
 
         finals, prompt_lps = await self._collect(streams, body.n, raw)
         choices = []
@@ -252,25 +261,19 @@ class OpenAIServing:
                 completion_tokens = 0
                 for j in range(body.n):
                     yield _sse(chunk(j, {"role": "assistant", "content": ""}))
-                try:
-                    async for j, _, c, _ in _choices(streams, body.n):
-                        completion_tokens += len(c.token_ids)
-                        if c.text or (c.logprobs and c.token_ids):
-                            logprobs = None if c.logprobs is None else \
-                                chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)
-                            yield _sse(chunk(j, {"content": c.text}, logprobs=logprobs))
-                        if c.finish_reason is not None:
-                            yield _sse(chunk(j, {}, c.finish_reason, c.stop_reason))
-                    if include_usage:
-                        yield _sse(self._usage_chunk(request_id, "chat.completion.chunk", created, prompt_lens,
-                                                     [completion_tokens]))
-                except EngineDeadError as e:
-                    yield _sse({"error": {"message": str(e), "type": "ServiceUnavailable", "code": 503}})
-                except RuntimeError as e:
-                    yield _sse({"error": {"message": str(e), "type": "InternalServerError", "code": 500}})
-                yield _sse("[DONE]")
+                async for j, _, c, _ in _choices(streams, body.n):
+                    completion_tokens += len(c.token_ids)
+                    if c.text or (c.logprobs and c.token_ids):
+                        logprobs = None if c.logprobs is None else \
+                            chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)
+                        yield _sse(chunk(j, {"content": c.text}, logprobs=logprobs))
+                    if c.finish_reason is not None:
+                        yield _sse(chunk(j, {}, c.finish_reason, c.stop_reason))
+                if include_usage:
+                    yield _sse(self._usage_chunk(request_id, "chat.completion.chunk", created, prompt_lens,
+                                                 [completion_tokens]))
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return _event_stream(events())
 
         finals, prompt_lps = await self._collect(streams, body.n, raw)
         choices = [{"index": j, "message": {"role": "assistant", "content": text},
