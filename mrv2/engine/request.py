@@ -85,7 +85,6 @@ class Request:
         # Per prompt position when it asked for prompt logprobs (position 0 has none).
         self.prompt_logprobs: list[TokenLogprobs | None] | None = \
             [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None
-        self.num_prompt_logprobs = 0  # positions filled so far
         # Chained hashes of the full blocks of known tokens (prefix caching), extended as tokens arrive.
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0  # leading blocks of `block_ids` already registered in the cache
@@ -122,10 +121,7 @@ class Request:
 
     def set_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
         """Store the scores of prompt positions first, first + 1, ... (again after a preemption: same values)."""
-        for pos, entry in enumerate(entries, first):
-            if self.prompt_logprobs[pos] is None:
-                self.num_prompt_logprobs += 1
-            self.prompt_logprobs[pos] = entry
+        self.prompt_logprobs[first:first + len(entries)] = entries
 
     def append_output_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self.output_token_ids.append(token_id)

@@ -40,11 +40,10 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
 @dataclass(frozen=True)
 class BadWordsMetadata:
     """One step's rows: prefixes int64 [B, S, T - 1] (right-aligned, -1: any), last tokens int64 [B, S]
-    (-1: no sequence), lengths int64 [B, S], token history int64 [B, L] and prompt_len [B]."""
+    (-1: no sequence), token history int64 [B, L] and prompt_len [B]."""
 
     prefixes: torch.Tensor
     last: torch.Tensor
-    lengths: torch.Tensor
     history: torch.Tensor
     prompt_len: torch.Tensor
 
@@ -54,7 +53,7 @@ class BadWordsState:
 
     def __init__(self, max_num_reqs: int, device: torch.device, pin_memory: bool) -> None:
         self.max_num_reqs, self.device, self.pin_memory = max_num_reqs, device, pin_memory
-        self.prefixes = self.last = self.lengths = None
+        self.prefixes = self.last = None
         self._writers: tuple[StagedRowWriter, ...] = ()
         self.active_cpu = np.zeros(max_num_reqs, dtype=bool)
 
@@ -62,8 +61,7 @@ class BadWordsState:
         s, t = MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS - 1
         self.prefixes = torch.full((self.max_num_reqs, s * t), -1, dtype=torch.int64, device=self.device)
         self.last = torch.full((self.max_num_reqs, s), -1, dtype=torch.int64, device=self.device)
-        self.lengths = torch.zeros(self.max_num_reqs, s, dtype=torch.int64, device=self.device)
-        self._writers = tuple(StagedRowWriter(x, self.pin_memory) for x in (self.prefixes, self.last, self.lengths))
+        self._writers = tuple(StagedRowWriter(x, self.pin_memory) for x in (self.prefixes, self.last))
 
     def add_request(self, slot: int, sequences: list[list[int]]) -> None:
         if not sequences and not self.active_cpu[slot]:
@@ -73,12 +71,11 @@ class BadWordsState:
         s, t = MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS - 1
         prefixes = np.full((s, t), -1, dtype=np.int64)
         last = np.full(s, -1, dtype=np.int64)
-        lengths = np.zeros(s, dtype=np.int64)
         for i, seq in enumerate(sequences):
             if len(seq) > 1:
                 prefixes[i, t - (len(seq) - 1):] = seq[:-1]
-            last[i], lengths[i] = seq[-1], len(seq)
-        for writer, row in zip(self._writers, (prefixes.reshape(-1), last, lengths)):
+            last[i] = seq[-1]
+        for writer, row in zip(self._writers, (prefixes.reshape(-1), last)):
             writer.stage(slot, 0, row)
         self.active_cpu[slot] = bool(sequences)
 
@@ -91,7 +88,7 @@ class BadWordsState:
     def metadata(self, idx_mapping: torch.Tensor, history: torch.Tensor, prompt_len: torch.Tensor) -> BadWordsMetadata:
         rows = idx_mapping.shape[0]
         return BadWordsMetadata(self.prefixes[idx_mapping].view(rows, MAX_BAD_WORD_SEQUENCES, -1),
-                                self.last[idx_mapping], self.lengths[idx_mapping], history, prompt_len)
+                                self.last[idx_mapping], history, prompt_len)
 
 
 def apply_bad_words(logits: torch.Tensor, md: BadWordsMetadata, positions: torch.Tensor) -> torch.Tensor:
