@@ -53,12 +53,17 @@ class TorchPagedMetadata:
 def _group_bounds(qlens: np.ndarray, seq_lens: np.ndarray, first_row: int, slack: float = 1.5) -> list[int]:
     """Split consecutive prefill rows into runs whose padded attention (rows x longest query x longest
     key length) stays within `slack` times the real one; returns the runs' boundaries (batch rows)."""
-    bounds, start = [first_row], 0
+    qlens, seq_lens = qlens.tolist(), seq_lens.tolist()
+    bounds = [first_row]
+    # The open run's size, longest query and key lengths, and real work, kept as it grows (one pass).
+    rows, max_q, max_k, real = 1, qlens[0], seq_lens[0], qlens[0] * seq_lens[0]
     for r in range(1, len(qlens)):
-        q, k = qlens[start:r + 1], seq_lens[start:r + 1]
-        if (r + 1 - start) * int(q.max()) * int(k.max()) > slack * float((q * k).sum()):
+        q, k = qlens[r], seq_lens[r]
+        if (rows + 1) * max(max_q, q) * max(max_k, k) > slack * (real + q * k):
             bounds.append(first_row + r)
-            start = r
+            rows, max_q, max_k, real = 1, q, k, q * k
+        else:
+            rows, max_q, max_k, real = rows + 1, max(max_q, q), max(max_k, k), real + q * k
     return bounds + [first_row + len(qlens)]
 
 
