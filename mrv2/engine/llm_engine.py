@@ -204,8 +204,9 @@ class LLMEngine:
 
     def abort(self, request_ids: list[str]) -> None:
         """End these requests now (unknown or finished ids are ignored); their blocks return."""
-        self.scheduler.abort_requests(self.output_processor.child_ids(request_ids))
-        self.output_processor.remove(request_ids)
+        engine_ids = self.output_processor.family_ids(request_ids)
+        self.scheduler.abort_requests(engine_ids)
+        self.output_processor.remove(request_ids + engine_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (only while no request holds one: False otherwise)."""
@@ -225,9 +226,14 @@ class LLMEngine:
         """
         if len(self._in_flight) < self._max_in_flight:
             sched = self.scheduler.schedule()
-            self.runner.execute_model(sched)  # also frees the slots of finished requests
-            if not sched.is_empty:
-                self._in_flight.append((sched, self.runner.sample_tokens()))
+            try:  # a synchronous device queue runs the forward and the sampler right here
+                self.runner.execute_model(sched)  # also frees the slots of finished requests
+                pending = self.runner.sample_tokens() if not sched.is_empty else None
+            except BaseException:
+                self._fail(sched)
+                raise
+            if pending is not None:
+                self._in_flight.append((sched, pending))
                 if len(self._in_flight) < self._max_in_flight and self.scheduler.has_unfinished_requests():
                     return []  # launch the next step before waiting for this one
         if not self._in_flight:
@@ -236,13 +242,17 @@ class LLMEngine:
         try:
             runner_out = pending.get()
         except BaseException:
-            self.output_processor.remove([r.req_id for r in self.scheduler.fail_step(sched)])
+            self._fail(sched)
             raise
         updated = self.scheduler.update_from_output(sched, runner_out)
         stopped = self.output_processor.detokenize(updated)
         if stopped:  # a stop string: the request ends now, like one that sampled a stop token
             self.scheduler.finish_requests([r.req_id for r in stopped], RequestStatus.FINISHED_STOPPED)
         return self.output_processor.make_outputs(updated)
+
+    def _fail(self, sched: SchedulerOutput) -> None:
+        """A launched step produced no output: its requests end, with their n > 1 siblings."""
+        self.abort([r.req_id for r in self.scheduler.fail_step(sched)])
 
     def shutdown(self) -> None:
         """Finish launched steps (requests ended meanwhile get their blocks back), stop the runner's device queue."""

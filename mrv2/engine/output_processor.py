@@ -78,12 +78,16 @@ class OutputProcessor:
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params), params.output_kind, index,
             record)
 
-    def child_ids(self, req_ids: list[str]) -> list[str]:
-        """The engine's request ids behind these (a parent's children; others as given)."""
+    def family_ids(self, req_ids: list[str]) -> list[str]:
+        """The engine's request ids that end together with these: a parent's children, a child's siblings
+        (one completion of n cannot end alone), any other id as given."""
         out = []
         for req_id in req_ids:
             parent = self._parents.get(req_id)
-            out += parent.child_ids if parent is not None else [req_id]
+            state = self._states.get(req_id)
+            if parent is None and state is not None:
+                parent = state.parent
+            out += [i for i in (parent.child_ids if parent is not None else [req_id]) if i not in out]
         return out
 
     def remove(self, req_ids: list[str]) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from mrv2 import SamplingParams
+import pytest
+
+from mrv2 import LLM, SamplingParams
 from mrv2.sampling_params import RequestOutputKind
 
 PROMPT = "The capital of France is"
@@ -49,3 +51,34 @@ def test_streamed_outputs_carry_their_index_and_the_last_one_finishes_the_reques
     for o in outs:
         tokens[o.outputs[0].index] += o.outputs[0].token_ids
     assert len(tokens[0]) == len(tokens[1]) == 6
+
+
+def test_a_failed_step_or_an_abort_of_one_completion_ends_all_n(default_llm):
+    engine = default_llm.engine
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=30, ignore_eos=True)
+    # One completion of n aborted by its own id: its sibling ends with it.
+    request = engine.make_request(PROMPT, params)
+    engine.add_request(request)
+    engine.step()
+    engine.abort([f"0_{request.req_id}"])
+    while engine.has_unfinished_requests():
+        assert all(o.request_id != request.req_id for o in engine.step())
+    assert not engine.output_processor.has_request(request.req_id)
+    # A step that fails while only one completion of n is in it (the other waits for a slot).
+    small = LLM(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20, max_num_seqs=1,
+                async_scheduling=False)
+    request = small.engine.make_request(PROMPT, params)
+    small.engine.add_request(request)
+    model = small.engine.runner.model
+    forward = model.forward
+    model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected fault"))
+    try:
+        with pytest.raises(RuntimeError, match="injected fault"):
+            small.engine.step()
+    finally:
+        model.forward = forward
+    assert not small.engine.has_unfinished_requests()
+    assert not small.engine.output_processor.has_request(request.req_id)
+    assert small.engine.scheduler.block_pool.is_whole()
+    out = small.generate(PROMPT, SamplingParams(n=2, temperature=0, max_tokens=4))[0]
+    assert [len(c.token_ids) for c in out.outputs] == [4, 4]
