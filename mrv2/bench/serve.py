@@ -17,6 +17,7 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -164,33 +165,44 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-class _LocalServer:
-    """`mrv2 serve` in a child process on a free loopback port."""
+class ServerProcess:
+    """`mrv2 serve SERVE_ARGS` in a child process on a free loopback port; `url` once /health answers.
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "mrv2.entrypoints.cli", "serve", "--port", str(port), *_engine_argv(args)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 600
+    Its output (stdout and stderr) goes to a temporary file, read by `output()`.
+    """
+
+    def __init__(self, serve_args: list[str], start_timeout: float = 600.0) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.TemporaryFile("w+")
+        cmd = [sys.executable, "-m", "mrv2.entrypoints.cli", "serve", "--port", str(self.port), *serve_args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ValueError(f"mrv2 serve exited: {self.proc.stderr.read()[-2000:]}")
+                raise ValueError(f"mrv2 serve exited: {self.output()[-2000:]}")
             try:
                 if urllib.request.urlopen(self.url + "/health", timeout=1).status == 200:
                     return
             except OSError:
                 time.sleep(0.2)
-        self.close()
-        raise ValueError("mrv2 serve did not become healthy within 600 s")
+        self.stop()
+        raise ValueError(f"mrv2 serve did not become healthy within {start_timeout:.0f} s")
 
-    def close(self) -> None:
+    def output(self) -> str:
+        self._log.seek(0)
+        return self._log.read()
+
+    def stop(self) -> int:
+        """SIGTERM, as a service manager stops it (killed after 30 s); the exit status."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
 
 
 def _server_model(url: str, api_key: str) -> str:
@@ -226,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     levels = [int(c) for c in args.concurrency.split(",") if c]
     if not levels or min(levels) < 1:
         raise ValueError(f"--concurrency must list positive integers, got {args.concurrency!r}")
-    server = None if args.url else _LocalServer(args)
+    server = None if args.url else ServerProcess(_engine_argv(args))
     url = args.url or server.url
     try:
         model = args.served_model or _server_model(url, args.api_key)
@@ -248,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
                   flush=True)
     finally:
         if server is not None:
-            server.close()
+            server.stop()
     setup = {"url": args.url or "local mrv2 serve", "model": model, "input_len": args.input_len,
              "output_len": args.output_len, "dataset": args.dataset, "request_rate": args.request_rate}
     if args.json:

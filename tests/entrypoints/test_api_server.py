@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -17,6 +16,7 @@ import openai
 import pytest
 
 from mrv2 import SamplingParams
+from mrv2.bench.serve import ServerProcess
 
 KEY = "test-key-123"
 MODEL = "smol"
@@ -24,32 +24,11 @@ ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs",
                "--kv-cache-memory", str(48 << 20)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A `mrv2 serve` child process; `url` once /health answers."""
+class Server(ServerProcess):
+    """A `mrv2 serve` child process with this module's engine options, and its metrics."""
 
     def __init__(self, *extra: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "mrv2.entrypoints.cli", "serve", "--port", str(self.port),
-               "--served-model-name", MODEL, *ENGINE_ARGS, *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
-            try:
-                if urllib.request.urlopen(self.url + "/health", timeout=1).status == 200:
-                    return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("server did not become healthy")
+        super().__init__(["--served-model-name", MODEL, *ENGINE_ARGS, *extra], start_timeout=180)
 
     def metrics(self, raw: bool = False) -> dict[str, float]:
         """Sample values by metric name, summed over labels (by the full sample name when `raw`)."""
@@ -70,17 +49,6 @@ class Server:
                     and m["mrv2:kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
                 return m
             time.sleep(0.1)
-
-    def stop(self) -> int:
-        """SIGTERM, as a service manager stops it; the exit status (uvicorn exits by the signal)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -389,7 +357,7 @@ def test_no_key_server_and_sigterm_mid_stream_exits_cleanly():
         t0 = time.monotonic()
         assert s.stop() in (0, -signal.SIGTERM) and time.monotonic() - t0 < 30
         assert list(chunks)[-1].choices[0].finish_reason == "abort"  # the stream ended, it was not cut
-        assert "Traceback" not in s.proc.stdout.read()
+        assert "Traceback" not in s.output()
     finally:
         s.stop()
     # No engine or server process is left behind.
