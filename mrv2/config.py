@@ -28,7 +28,11 @@ class ModelConfig:
     becomes of a GGUF file's quantized tensors: "auto" keeps them quantized where the
     platform has a fast kernel for them (int4 kernels for small batches, plus a dense
     copy for larger ones if it fits a quarter of free memory), "gguf" keeps them
-    quantized without a dense copy, None (or "none") dequantizes them.
+    quantized without a dense copy, None (or "none") dequantizes them. `batch_invariant`
+    makes a request's logits bitwise independent of the batch it runs in (batch size,
+    chunking, preemption, cache hits) at a cost in speed: matmuls in fixed row tiles,
+    attention in fixed-shape tiles over max_model_len keys, dense weights
+    (`mrv2.layers.batch_invariant`, `mrv2.attention.batch_invariant`).
     """
 
     model: str | None = None
@@ -37,6 +41,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     quantization: str | None = "auto"
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.quantization not in ("auto", "gguf", "none", None):
@@ -236,6 +241,18 @@ class EngineConfig:
     # Overlap scheduling and input preparation of step N+1 with step N's compute
     # (vLLM's async_scheduling). None: the platform's default.
     async_scheduling: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.model.batch_invariant and self.graph is not None and self.graph.compile:
+            raise ValueError("batch_invariant=True runs piecewise graphs uncompiled: torch.compile generates its "
+                             "own kernels, whose rounding differs from the eager steps'; drop graph_compile")
+
+    def graph_config(self, platform_default: GraphConfig) -> GraphConfig:
+        """The graphs to capture: `graph` or the platform's default; batch-invariant runs never compile pieces."""
+        graph = self.graph or platform_default
+        if self.model.batch_invariant and graph.mode in (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE):
+            graph = replace(graph, compile=False)
+        return graph
 
     def with_max_model_len(self, max_model_len: int) -> "EngineConfig":
         return replace(self, model=replace(self.model, max_model_len=max_model_len))

@@ -58,6 +58,8 @@ class AttentionBackend(ABC):
     name: str
     kind: str = "gqa"  # "gqa" or "mla": which forward the backend implements
     supported_layouts: tuple[KVLayout, ...] = ("joint", "split")
+    # Whether a query's output is independent of the batch it runs in (selected by batch_invariant=True).
+    batch_invariant: bool = False
 
     @classmethod
     def is_available(cls) -> bool:

@@ -14,7 +14,7 @@ from mrv2.attention.backend import AttentionBackend
 from mrv2.platforms import Platform
 
 # Modules whose import registers the built-in backends.
-_BUILTIN_MODULES = ("mrv2.attention.torch_paged", "mrv2.attention.torch_mla")
+_BUILTIN_MODULES = ("mrv2.attention.torch_paged", "mrv2.attention.torch_mla", "mrv2.attention.batch_invariant")
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 
@@ -35,10 +35,19 @@ def registered_backends() -> dict[str, type[AttentionBackend]]:
     return dict(_BACKENDS)
 
 
-def get_attention_backend(platform: Platform, kind: str) -> AttentionBackend:
-    """A new instance of the backend `platform` prefers for attention `kind`."""
+def get_attention_backend(platform: Platform, kind: str, batch_invariant: bool = False) -> AttentionBackend:
+    """A new instance of the backend `platform` prefers for attention `kind`.
+
+    `batch_invariant`: a backend whose outputs do not depend on the batch (`batch_invariant = True`),
+    in registration order, whatever the platform prefers.
+    """
     names = platform.attention_backend_names(kind)  # raises for a kind the platform does not know
     backends = registered_backends()
+    if batch_invariant:
+        for cls in backends.values():
+            if cls.batch_invariant and cls.kind == kind and cls.is_available():
+                return cls()
+        raise ValueError(f"batch_invariant=True: no batch-invariant {kind!r} attention backend is available")
     for name in names:
         cls = backends.get(name)
         if cls is not None and cls.kind == kind and cls.is_available():

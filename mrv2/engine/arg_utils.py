@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "batches when it fits), gguf: int4 only, none: dequantize")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prefixes shared between requests (default: on)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="bitwise-identical logprobs for a request whatever batch it runs in (slower)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -56,4 +58,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 kv_cache_memory=args.kv_cache_memory, device=args.device, enforce_eager=args.enforce_eager,
                 graph_mode=args.graph_mode, graph_capture_sizes=_sizes(args.graph_capture_sizes),
                 graph_compile=args.graph_compile, async_scheduling=args.async_scheduling, seed=args.seed,
-                quantization=args.quantization, enable_prefix_caching=args.enable_prefix_caching)
+                quantization=args.quantization, enable_prefix_caching=args.enable_prefix_caching,
+                batch_invariant=args.batch_invariant)

@@ -31,11 +31,11 @@ def engine_config(model: str | None = None, *, tokenizer: str | None = None, dty
                   device: str | None = None, graph_mode: str | None = None,
                   graph_capture_sizes: Sequence[int] | None = None, graph_compile: bool | None = None,
                   async_scheduling: bool | None = None, quantization: str | None = "auto",
-                  enable_prefix_caching: bool = True) -> EngineConfig:
+                  enable_prefix_caching: bool = True, batch_invariant: bool = False) -> EngineConfig:
     """The EngineConfig for `LLM(...)` / `AsyncLLM(...)` keyword arguments (see `LLM`)."""
     return EngineConfig(
         model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                          quantization=quantization),
+                          quantization=quantization, batch_invariant=batch_invariant),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                           memory_fraction=kv_cache_memory_fraction, layout=kv_cache_layout,
                           kv_transfer=kv_transfer, enable_prefix_caching=enable_prefix_caching),
@@ -66,6 +66,8 @@ class LLM:
     "gguf" or None) keeps a GGUF file's quantized tensors quantized or dequantizes them
     (see `ModelConfig`). `enable_prefix_caching` lets requests reuse the KV blocks of a
     prefix another request computed (vLLM's automatic prefix caching).
+    `batch_invariant` makes each request's logprobs bitwise identical whatever batch,
+    chunking or cache state it runs in, slower (see `ModelConfig`).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

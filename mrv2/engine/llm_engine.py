@@ -72,6 +72,8 @@ class LLMEngine:
         weights, quant_policy = iter_safetensors_weights(path), None
         if quantized_names(path):
             policy, why = self.platform.quant_policy(self.dtype, config.model.quantization)
+            if config.model.batch_invariant and policy.uses_int4:
+                policy, why = replace(policy, int4_max_rows=0), "batch_invariant=True runs dense weights"
             if policy.uses_int4:
                 weights, quant_policy = iter_weights_keeping_quantized(path), policy
             logger.info("Quantized GGUF weights %s: %s", "kept quantized" if quant_policy else "dequantized", why)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mrv2.config import QuantPolicy
+from mrv2.layers.batch_invariant import tiled_linear
 from mrv2.layers.packed import pack_weight, packed_linear
 from mrv2.layers.quantization import Int4Matmul, QuantizedWeight, int4_kernel_supports
 
@@ -36,8 +37,11 @@ class Linear(nn.Module):
         self._quantized: list[QuantizedWeight | None] = [None] * len(shard_sizes)
         self.int4: Int4Matmul | None = None
         self.int4_max_rows = 0
+        self.row_tile = 0  # > 0: batch-invariant, through calls of exactly this many rows (dense weight only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_tile:
+            return tiled_linear(x, self.weight, self.bias, self.row_tile)
         dense = self.weight is not None or self.packed is not None
         if self.int4 is not None and (not dense or x.numel() <= self.int4_max_rows * x.shape[-1]):
             y = self.int4(x)

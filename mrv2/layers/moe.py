@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.layers.batch_invariant import tiled_grouped_linear, tiled_linear
 from mrv2.layers.mlp import ACTIVATIONS, GatedMLP
 
 
@@ -88,6 +89,7 @@ class Router(nn.Module):
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False)
             if cfg.topk_method == "noaux_tc" else None)
+        self.row_tile = 0  # > 0: batch-invariant logits (`mrv2.layers.batch_invariant`)
 
     def _group_mask(self, choice: torch.Tensor, top2: bool) -> torch.Tensor:
         """[T, E] bool: the experts of each token's `topk_group` best groups."""
@@ -100,7 +102,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        logits = F.linear(x.float(), self.weight)
+        logits = (tiled_linear(x.float(), self.weight, None, self.row_tile) if self.row_tile
+                  else F.linear(x.float(), self.weight))
         scores = logits.softmax(dim=-1) if c.scoring_func == "softmax" else logits.sigmoid()
         if c.topk_method == "noaux_tc":
             # The bias only steers the choice; the weights come from the unbiased scores.
@@ -142,6 +145,7 @@ class FusedMoE(nn.Module):
         self.register_buffer("expert_ids", torch.arange(e), persistent=False)
         self._expected = self._expected_names()
         self._loaded: set[str] = set()
+        self.row_tile = 0  # > 0: batch-invariant expert GEMMs (`mrv2.layers.batch_invariant`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, k = x.shape[0], self.cfg.num_experts_per_tok
@@ -149,8 +153,12 @@ class FusedMoE(nn.Module):
         sorted_ids, order = ids.flatten().sort(stable=True)
         # offs[e] = end of expert e's segment among the sorted pairs, computed without leaving the device.
         offs = torch.searchsorted(sorted_ids, self.expert_ids, right=True, out_int32=True)
-        gate, up = grouped_mm(x[order // k], self.w13.transpose(1, 2), offs).chunk(2, dim=-1)
-        y = grouped_mm(self.act(gate) * up, self.w2.transpose(1, 2), offs)
+        if self.row_tile:
+            gate, up = tiled_grouped_linear(x[order // k], self.w13, offs, self.row_tile).chunk(2, dim=-1)
+            y = tiled_grouped_linear(self.act(gate) * up, self.w2, offs, self.row_tile)
+        else:
+            gate, up = grouped_mm(x[order // k], self.w13.transpose(1, 2), offs).chunk(2, dim=-1)
+            y = grouped_mm(self.act(gate) * up, self.w2.transpose(1, 2), offs)
         y = y * weights.flatten()[order, None]  # fp32, like transformers
         # Undo the sort (a permutation, so deterministic) and sum each token's k experts in fp32.
         out = torch.empty_like(y).index_copy_(0, order, y).view(t, k, x.shape[1]).sum(1).to(x.dtype)

@@ -23,6 +23,7 @@ from torch import nn
 
 from mrv2.config import QuantPolicy
 from mrv2.kv_spec import KVCacheSpec
+from mrv2.layers.batch_invariant import ROW_TILE, tiled_linear
 from mrv2.layers.embedding import VocabEmbedding
 from mrv2.layers.linear import Linear
 from mrv2.layers.norm import RMSNorm
@@ -113,6 +114,7 @@ class CausalLM(nn.Module):
         self.lm_head_int4: Int4Matmul | None = None
         self.lm_head_int4_max_rows = 0
         self.lm_head_packed: torch.Tensor | None = None  # the dense LM head in oneDNN's layout
+        self.row_tile = 0  # > 0: batch-invariant LM head (`make_batch_invariant`)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         raise NotImplementedError
@@ -164,6 +166,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
         """fp32 logits [rows, vocab]; `chunk_rows` splits the LM head by vocabulary rows (see Platform)."""
+        if self.row_tile:
+            return tiled_linear(hidden, self.lm_head_weight, None, self.row_tile).float()
         dense = self.lm_head_weight is not None or self.lm_head_packed is not None
         if self.lm_head_int4 is not None and (not dense or hidden.shape[0] <= self.lm_head_int4_max_rows):
             return self.lm_head_int4(hidden).float()
@@ -176,6 +180,21 @@ class CausalLM(nn.Module):
             w = self.lm_head_weight[start:start + chunk_rows]
             torch.mm(hidden, w.t(), out=out[:, start:start + w.shape[0]])
         return out.float()
+
+    def make_batch_invariant(self, tile: int = ROW_TILE) -> None:
+        """Run every matmul with weights (linears, LM head, MoE router and experts) in fixed tiles of
+        `tile` rows, so that a row's output does not depend on the batch (`mrv2.layers.batch_invariant`).
+
+        Needs dense, unpacked weights: call it after loading, instead of quantized kernels or packing.
+        """
+        for m in self.modules():
+            if isinstance(m, Linear) and (m.int4 is not None or m.weight is None):
+                raise ValueError("batch-invariant mode needs dense weights: load quantized GGUF weights "
+                                 "dequantized (quantization=None) and do not prepack them")
+            if hasattr(m, "row_tile"):
+                m.row_tile = tile
+        if self.lm_head_int4 is not None or self.lm_head_weight is None:
+            raise ValueError("batch-invariant mode needs a dense LM head (quantization=None)")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raise if any parameter is left unset or a name is unknown."""

@@ -61,15 +61,18 @@ class ModelRunner:
         self.max_num_tokens = config.scheduler.max_num_batched_tokens
         pin = platform.pin_memory()
 
-        self.attn_backend = get_attention_backend(platform, attention_kind(hf_config))
+        batch_invariant = config.model.batch_invariant
+        self.attn_backend = get_attention_backend(platform, attention_kind(hf_config), batch_invariant)
         with torch.device(self.device):
             self.model = build_model(hf_config, self.attn_backend, dtype, self.max_model_len)
         self.model.load_weights(weights)
         if quant_policy is not None and (placed := self.model.finalize_quantization(quant_policy)):
             logger.info("Quantized weights: %s", placed)
-        graph_config = config.graph or platform.default_graph_config()
+        graph_config = config.graph_config(platform.default_graph_config())
         graphs_on = not config.enforce_eager and graph_config.mode is not GraphMode.NONE
-        if (rows := platform.linear_pack_rows(dtype, graph_config if graphs_on else None)) is not None:
+        if batch_invariant:
+            self.model.make_batch_invariant()
+        elif (rows := platform.linear_pack_rows(dtype, graph_config if graphs_on else None)) is not None:
             if packed := self.model.pack_linear_weights(rows):
                 logger.info("Dense weights of %d linear layers prepacked for oneDNN (batches of ~%d rows)",
                             packed, rows)
