@@ -83,6 +83,21 @@ def test_greedy_with_forced_preemption(checkpoint, hf_reference):
     assert llm.engine.scheduler.block_pool.is_whole()
 
 
+@pytest.mark.parametrize("layout", ["joint", "split"])
+def test_prefix_cache_hits_on_the_latent_cache(checkpoint, layout):
+    """Requests sharing a 40-token prefix reuse its latent and rope blocks and keep transformers' tokens."""
+    path, hf = checkpoint
+    shared = _prompts((40,), seed=5)[0]
+    prompts = [shared + suffix for suffix in _prompts((3, 9, 20), seed=6)]
+    want = [_hf_greedy(hf, p, 8) for p in prompts]
+    llm = LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22, kv_cache_layout=layout)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
+    assert got == want
+    assert llm.engine.scheduler.kv_cache_manager.num_hit_tokens == 2 * 32  # two full blocks, twice
+    assert llm.engine.scheduler.block_pool.is_whole()
+
+
 def test_one_rotary_for_all_layers_sized_to_max_model_len(checkpoint):
     path, _ = checkpoint
     llm = LLM(dtype="float32", model=str(path), kv_cache_memory=1 << 22, max_model_len=96)
