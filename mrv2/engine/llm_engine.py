@@ -134,7 +134,8 @@ class LLMEngine:
     # -- requests --
 
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
-        """A prompt (text, or a dict with `prompt` or `prompt_token_ids`) -> (text, token ids)."""
+        """A prompt (text, or a dict with `prompt` or `prompt_token_ids`, and optionally `cache_salt`)
+        -> (text, token ids)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -185,6 +186,7 @@ class LLMEngine:
         # Every EOS id (Llama 3's <|eot_id|> too) is EOS: ignore_eos ignores them all.
         request = Request(request_id or str(next(self._ids)), ids, params, self.eos_token_ids)
         request.prompt = text
+        request.cache_salt = _cache_salt(prompt)
         return request
 
     def add_request(self, request: Request) -> None:
@@ -200,7 +202,7 @@ class LLMEngine:
             child = Request(f"{i}_{request.req_id}", request.prompt_token_ids,
                             replace(params, n=1, seed=None if params.seed is None else params.seed + i),
                             request.eos_token_ids, request.max_model_len, request.arrival_time)
-            child.prompt = request.prompt
+            child.prompt, child.cache_salt = request.prompt, request.cache_salt
             self.scheduler.add_request(child)
             self.output_processor.add_request(child, request, i)
 
@@ -265,3 +267,10 @@ class LLMEngine:
             except Exception:  # noqa: BLE001 - shutting down: the step's requests just end
                 self.scheduler.fail_step(sched)
         self.runner.close()
+
+
+def _cache_salt(prompt: Any) -> str | None:
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt

@@ -87,9 +87,15 @@ class Request:
             [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None
         # Chained hashes of the full blocks of known tokens (prefix caching), extended as tokens arrive.
         self.block_hashes: list[bytes] = []
+        self.cache_salt: str | None = None  # requests share cached blocks only with equally salted ones
         self.num_cached_blocks = 0  # leading blocks of `block_ids` already registered in the cache
         # Draft tokens proposed for the next step (verified there, then cleared).
         self.spec_token_ids: list[int] = []
+
+    @property
+    def hash_salt(self) -> bytes:
+        """The first block hash's extra key: the cache salt, if any."""
+        return b"" if self.cache_salt is None else self.cache_salt.encode()
 
     @property
     def num_prompt_tokens(self) -> int:

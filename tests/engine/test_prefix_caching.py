@@ -85,3 +85,35 @@ def test_reset_prefix_cache_and_prompt_logprobs_bypass():
     assert llm.reset_prefix_cache() and llm.engine.scheduler.block_pool.num_cached_blocks == 0
     _run(llm, prompt)
     assert kv.num_hit_tokens == hits  # nothing was left to hit
+
+
+def test_cache_salt_separates_requests_and_keys_every_block():
+    llm = _llm(True)
+    prompt = SYSTEM + QUESTIONS[2]
+    kv = llm.engine.scheduler.kv_cache_manager
+    plain = _run(llm, {"prompt": prompt})
+    hits = kv.num_hit_tokens
+    salted_a = _run(llm, {"prompt": prompt, "cache_salt": "tenant-a"})
+    salted_b = _run(llm, {"prompt": prompt, "cache_salt": "tenant-b"})
+    assert kv.num_hit_tokens == hits  # no salt, salt a, salt b: three separate caches
+    again_a = _run(llm, {"prompt": prompt, "cache_salt": "tenant-a"})
+    assert kv.num_hit_tokens > hits  # the same salt hits
+    for other in (salted_a, salted_b, again_a):
+        _same(plain, other)
+    n = _run(llm, {"prompt": prompt, "cache_salt": "tenant-c"}, n=2)  # children carry the salt
+    assert len(n[0].outputs) == 2
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.generate({"prompt": prompt, "cache_salt": bad})
+    assert llm.engine.scheduler.block_pool.is_whole()
+
+
+def test_the_salt_keys_the_first_block_and_so_every_block():
+    from mrv2.engine.block_hash import extend_block_hashes
+
+    tokens = list(range(64))
+    plain = extend_block_hashes([], tokens, 16)
+    salted = extend_block_hashes([], tokens, 16, salt=b"a")
+    assert len(plain) == len(salted) == 4 and not set(plain) & set(salted)
+    assert extend_block_hashes([], tokens, 16, salt=b"a") == salted
+    assert extend_block_hashes(salted[:2], tokens, 16, salt=b"a") == salted  # extending keeps the chain

@@ -289,6 +289,7 @@ def test_a_client_killed_mid_stream_frees_its_request(server):
     ({"prompt": "hi", "extra_body": {"allowed_token_ids": [10**9]}}, "allowed_token_ids"),
     ({"prompt": "hi", "extra_body": {"bad_words": [""]}}, "bad_words"),
     ({"prompt": "hi", "extra_body": {"prompt_logprobs": 50}}, "prompt_logprobs"),
+    ({"prompt": "hi", "extra_body": {"cache_salt": ""}}, "cache_salt"),
 ])
 def test_bad_completion_requests_are_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -343,6 +344,15 @@ def test_metrics_count_tokens_and_latencies(server, client):
     again = server.wait_idle()
     assert again["mrv2:prefix_cache_hits_total"] - hits >= 32  # the second request reused two blocks
     assert again["mrv2:prefix_cache_queries_total"] > after["mrv2:prefix_cache_queries_total"]
+    # A salted request shares nothing with unsalted ones, then hits its own salt's blocks.
+    salted = {"cache_salt": "tenant-a"}
+    client.completions.create(model=MODEL, prompt="The capital of France is " * 8, max_tokens=2, extra_body=salted)
+    assert server.wait_idle()["mrv2:prefix_cache_hits_total"] == again["mrv2:prefix_cache_hits_total"]
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Paris? " * 20}],
+                                   max_tokens=2, extra_body=salted)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Paris? " * 20}],
+                                   max_tokens=2, extra_body=salted)
+    assert server.wait_idle()["mrv2:prefix_cache_hits_total"] - again["mrv2:prefix_cache_hits_total"] >= 32
 
 
 def test_no_key_server_and_sigterm_mid_stream_exits_cleanly():

@@ -59,6 +59,8 @@ class _SamplingRequest(BaseModel):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Requests share cached prefix blocks only with requests of the same salt (vLLM's field).
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     def _unsupported(self) -> dict[str, Any]:
         """Fields set to a value mrv2 cannot honour yet (name -> neutral value)."""

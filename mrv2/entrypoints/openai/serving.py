@@ -145,8 +145,8 @@ class OpenAIServing:
     def _default_max_tokens(self, prompts: list[list[int]]) -> int:
         return max(1, self.max_model_len - max(len(p) for p in prompts))
 
-    def _start(self, prompts: list[Any],
-               params_for: Any) -> tuple[list[AsyncIterator[RequestOutput]], list[list[int]]]:
+    def _start(self, prompts: list[Any], params_for: Any,
+               cache_salt: str | None) -> tuple[list[AsyncIterator[RequestOutput]], list[list[int]]]:
         """Validate every prompt, then start one request per prompt (nothing starts if any is bad)."""
         engine = self.llm.engine
         token_ids = []
@@ -162,7 +162,8 @@ class OpenAIServing:
                     f"prompt ({too_long[0]} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
                     f"maximum context length of {self.max_model_len} tokens", "max_tokens")
         base = f"{uuid.uuid4().hex}"
-        streams = [self.llm.generate({"prompt_token_ids": ids}, params, request_id=f"{base}-{i}")
+        streams = [self.llm.generate({"prompt_token_ids": ids, "cache_salt": cache_salt}, params,
+                                     request_id=f"{base}-{i}")
                    for i, ids in enumerate(token_ids)]
         return streams, token_ids
 
@@ -171,7 +172,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
         prompts = body.prompts()
-        streams, prompts_ids = self._start(prompts, body.to_sampling_params)
+        streams, prompts_ids = self._start(prompts, body.to_sampling_params, body.cache_salt)
         prompt_lens = [len(ids) for ids in prompts_ids]
         texts = [p.get("prompt") for p in prompts]
         request_id, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name
@@ -242,7 +243,7 @@ class OpenAIServing:
             raise InvalidRequest(str(e), "messages") from None
         except Exception as e:  # a template that rejects the conversation (jinja2 raise_exception)
             raise InvalidRequest(f"the chat template rejected the messages: {e}", "messages") from None
-        streams, prompts_ids = self._start([{"prompt_token_ids": ids}], body.to_sampling_params)
+        streams, prompts_ids = self._start([{"prompt_token_ids": ids}], body.to_sampling_params, body.cache_salt)
         prompt_lens = [len(ids)]
         request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name
 
