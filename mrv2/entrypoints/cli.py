@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                ("serve", "load an OpenAI-compatible server: throughput, TTFT/TPOT/ITL per load"),
                ("prefix", "a shared-prefix workload with prefix caching on and off"),
                ("latency", "time to first token and per output token, one request at a time"),
-               ("decode", "decode step time, eager vs the graph path, at several batch sizes"))
+               ("decode", "decode step time, eager vs the graph path, at several batch sizes"),
+               ("soak", "many short requests with random aborts: resident memory and KV blocks, start vs end"))
     for name, text in benches:
         module = importlib.import_module(f"mrv2.bench.{name}")
         bp = bench_sub.add_parser(name, help=text)
