@@ -5,6 +5,12 @@ hands them a plain row-major one on every call. Packed once at load, the default
 model's shapes ran 1.3-1.9x faster at 1 to 64 rows and the same at 2048 on a 2 vCPU
 Sapphire Rapids, bit-identical to `F.linear` (see `Platform.linear_pack_rows`).
 Inductor cannot lower these ops, so compiled graphs keep plain weights.
+
+oneDNN builds (JIT-compiles) a primitive per input shape and caches up to 1024 of them,
+so a server whose steps have every row count from 1 to 2048 grew by hundreds of MB
+(`mrv2 bench soak`). Rows are padded to `padded_rows` buckets (about 50 per weight):
+powers of two up to 16 (AMX computes 16-row tiles anyway), multiples of 16 up to 256,
+of 64 beyond (at most 6% more work there).
 """
 
 from __future__ import annotations
@@ -22,6 +28,19 @@ def pack_weight(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
 
 
+def padded_rows(rows: int) -> int:
+    """The row bucket a call of `rows` rows runs as."""
+    if rows <= 16:
+        return 1 << max(rows - 1, 0).bit_length()
+    step = 16 if rows <= 256 else 64
+    return -(-rows // step) * step
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] @ W^T (+ bias) with a weight from `pack_weight`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out if padded == rows else out[:rows]
