@@ -125,6 +125,47 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's names: `method` proposes up to
+    `num_speculative_tokens` draft tokens per request and step, which the target model
+    verifies in one forward (exactly: the output equals the output without drafts).
+
+    "ngram" (prompt lookup): the drafts are the tokens that followed the latest earlier
+    occurrence of the request's last n tokens in its own prompt and output, for the
+    longest n in [`prompt_lookup_min`, `prompt_lookup_max`] that occurs.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    METHODS = ("ngram",)
+
+    def __post_init__(self) -> None:
+        if self.method not in self.METHODS:
+            raise ValueError(f"speculative_config method must be one of {list(self.METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (lo, hi)) or not 1 <= lo <= hi:
+            raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo}, {hi}")
+
+    @classmethod
+    def from_dict(cls, d: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From `LLM(speculative_config={...})` or `--speculative-config JSON`; unknown keys are errors."""
+        if d is None or isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        if unknown := sorted(set(d) - known):
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
 class GraphMode(enum.Enum):
     """What a captured graph holds: nothing (eager), the layers between attention, or all.
 
@@ -241,6 +282,7 @@ class EngineConfig:
     # Overlap scheduling and input preparation of step N+1 with step N's compute
     # (vLLM's async_scheduling). None: the platform's default.
     async_scheduling: bool | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.model.batch_invariant and self.graph is not None and self.graph.compile:

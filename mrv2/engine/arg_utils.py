@@ -8,6 +8,7 @@ that `mrv2.bench` never imports `mrv2.entrypoints`.
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 
@@ -39,7 +40,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV blocks of prefixes shared between requests (default: on)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise-identical logprobs for a request whatever batch it runs in (slower)")
+    g.add_argument("--speculative-config", type=_json_dict, default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     g.add_argument("--seed", type=int, default=0)
+
+
+def _json_dict(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _sizes(text: str | None) -> list[int] | None:
@@ -59,4 +72,4 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 graph_mode=args.graph_mode, graph_capture_sizes=_sizes(args.graph_capture_sizes),
                 graph_compile=args.graph_compile, async_scheduling=args.async_scheduling, seed=args.seed,
                 quantization=args.quantization, enable_prefix_caching=args.enable_prefix_caching,
-                batch_invariant=args.batch_invariant)
+                batch_invariant=args.batch_invariant, speculative_config=args.speculative_config)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Sequence
 
-from mrv2.config import CacheConfig, EngineConfig, GraphConfig, GraphMode, ModelConfig, SchedulerConfig
+from mrv2.config import (CacheConfig, EngineConfig, GraphConfig, GraphMode, ModelConfig, SchedulerConfig,
+                         SpeculativeConfig)
 from mrv2.engine.llm_engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
 from mrv2.sampling_params import RequestOutputKind, SamplingParams
@@ -31,7 +32,8 @@ def engine_config(model: str | None = None, *, tokenizer: str | None = None, dty
                   device: str | None = None, graph_mode: str | None = None,
                   graph_capture_sizes: Sequence[int] | None = None, graph_compile: bool | None = None,
                   async_scheduling: bool | None = None, quantization: str | None = "auto",
-                  enable_prefix_caching: bool = True, batch_invariant: bool = False) -> EngineConfig:
+                  enable_prefix_caching: bool = True, batch_invariant: bool = False,
+                  speculative_config: dict[str, Any] | None = None) -> EngineConfig:
     """The EngineConfig for `LLM(...)` / `AsyncLLM(...)` keyword arguments (see `LLM`)."""
     return EngineConfig(
         model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -46,6 +48,7 @@ def engine_config(model: str | None = None, *, tokenizer: str | None = None, dty
             capture_sizes=tuple(graph_capture_sizes) if graph_capture_sizes is not None else None,
             compile=graph_compile),
         enforce_eager=enforce_eager, device=device, async_scheduling=async_scheduling,
+        speculative=SpeculativeConfig.from_dict(speculative_config),
     )
 
 
@@ -68,6 +71,9 @@ class LLM:
     prefix another request computed (vLLM's automatic prefix caching).
     `batch_invariant` makes each request's logprobs bitwise identical whatever batch,
     chunking or cache state it runs in, slower (see `ModelConfig`).
+    `speculative_config` ({"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_min": 1, "prompt_lookup_max": 4}) verifies up to k drafted tokens per
+    request and step in one forward; outputs equal those without it (see `SpeculativeConfig`).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

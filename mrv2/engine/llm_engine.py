@@ -23,6 +23,7 @@ from mrv2.runner.model_runner import ModelRunner
 from mrv2.sample.bad_words import bad_words_token_ids
 from mrv2.platforms import get_platform
 from mrv2.sampling_params import SamplingParams
+from mrv2.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger("mrv2")
 
@@ -41,6 +42,11 @@ class LLMEngine:
         self.platform = get_platform(config.device)
         if config.async_scheduling is None:
             config = replace(config, async_scheduling=self.platform.default_async_scheduling)
+        if config.speculative is not None and config.async_scheduling:
+            # N-gram drafts extend the tokens sampled last step, which async scheduling leaves
+            # on the device while it schedules the next step.
+            logger.info("Speculative decoding (%s) runs with serial scheduling", config.speculative.method)
+            config = replace(config, async_scheduling=False)
         self.platform.configure_threads(host_only=config.async_scheduling)
         path = resolve_model_path(config.model.model)
         hf_config = AutoConfig.from_pretrained(path)
@@ -101,6 +107,9 @@ class LLMEngine:
         # Launched steps whose outputs are not processed yet, oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, AsyncRunnerOutput]] = deque()
         self._max_in_flight = 2 if config.async_scheduling else 1
+        spec = config.speculative
+        self.proposer = None if spec is None else NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                                                spec.prompt_lookup_max)
 
     def _plan_kv_cache(self) -> int:
         cfg = self.config
@@ -249,6 +258,8 @@ class LLMEngine:
             self._fail(sched)
             raise
         updated = self.scheduler.update_from_output(sched, runner_out)
+        if self.proposer is not None:  # drafts for the next step, from the tokens just sampled
+            self.proposer.propose_for(r for r in updated if r.status == RequestStatus.RUNNING)
         stopped = self.output_processor.detokenize(updated)
         if stopped:  # a stop string: the request ends now, like one that sampled a stop token
             self.scheduler.finish_requests([r.req_id for r in stopped], RequestStatus.FINISHED_STOPPED)

@@ -11,6 +11,7 @@ from mrv2.engine.kv_cache_manager import KVCacheManager
 from mrv2.engine.request import Request, RequestStatus, validate_prompt_length
 from mrv2.engine.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                           SchedulerOutput)
+from mrv2.spec_decode.metrics import SpecDecodingStats
 
 
 class Scheduler:
@@ -56,6 +57,7 @@ class Scheduler:
         # Finished or aborted with steps still in flight: their blocks return when those complete.
         self._draining: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats()
 
     # Requests in and out.
 
@@ -230,6 +232,8 @@ class Scheduler:
                     # Rejected drafts: their KV is written but not part of the sequence.
                     drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())
                     request.num_computed_tokens -= len(drafts) + 1 - len(token_ids)
+                    if drafts:
+                        self.spec_stats.observe(len(drafts), len(token_ids) - 1)
                     was_running = request.status == RequestStatus.RUNNING
                     token_logprobs = logprobs.get(req_id)
                     for i, token_id in enumerate(token_ids):

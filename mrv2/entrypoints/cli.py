@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                ("prefix", "a shared-prefix workload with prefix caching on and off"),
                ("latency", "time to first token and per output token, one request at a time"),
                ("decode", "decode step time, eager vs the graph path, at several batch sizes"),
-               ("soak", "many short requests with random aborts: resident memory and KV blocks, start vs end"))
+               ("soak", "many short requests with random aborts: resident memory and KV blocks, start vs end"),
+               ("spec", "speculative decoding off vs each method, on grounded and open-ended prompts"))
     for name, text in benches:
         module = importlib.import_module(f"mrv2.bench.{name}")
         bp = bench_sub.add_parser(name, help=text)
