@@ -14,6 +14,7 @@ from typing import Protocol
 
 from mrv2.engine.outputs import RequestOutput
 from mrv2.sampling_params import RequestOutputKind
+from mrv2.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger("mrv2")
 
@@ -28,6 +29,7 @@ class SchedulerStats:
     num_preemptions: int  # since the engine started
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since the start
     prefix_cache_hits: int = 0  # of those, tokens found
+    spec_decoding: SpecDecodingStats | None = None  # since the start, when the engine speculates
 
 
 @dataclass
@@ -86,14 +88,15 @@ class StatLogger(Protocol):
 
 
 class LoggingStatLogger:
-    """Logs throughput, load, KV-cache usage and the prefix-cache hit rate every `interval` seconds
-    (at INFO, as vLLM's engine does) while the engine is busy."""
+    """Logs throughput, load, KV-cache usage, the prefix-cache hit rate and speculative decoding's
+    acceptance every `interval` seconds (at INFO, as vLLM's engine does) while the engine is busy."""
 
     def __init__(self, interval: float = 10.0) -> None:
         self.interval = interval
         self._last = time.monotonic()
         self._prompt = self._generated = 0
         self._queries = self._hits = 0
+        self._spec = SpecDecodingStats()
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         self._prompt += iteration.num_prompt_tokens
@@ -110,3 +113,10 @@ class LoggingStatLogger:
                     self._generated / elapsed, scheduler.num_running, scheduler.num_waiting,
                     100 * scheduler.kv_cache_usage, 100 * hits / queries if queries else 0.0)
         self._prompt = self._generated = 0
+        if (spec := scheduler.spec_decoding) is not None and spec.num_drafts > self._spec.num_drafts:
+            delta = spec.minus(self._spec)
+            self._spec = spec
+            logger.info("Speculative decoding: mean acceptance length %.2f, draft acceptance rate %.1f%% "
+                        "(%d of %d drafts), per position %s", delta.mean_acceptance_length,
+                        100 * delta.acceptance_rate, delta.num_accepted_tokens, delta.num_draft_tokens,
+                        ", ".join(f"{r:.2f}" for r in delta.position_rates()))

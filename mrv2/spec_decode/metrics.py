@@ -34,6 +34,18 @@ class SpecDecodingStats:
         """Tokens a verify step emits on average: the accepted drafts plus the one sampled after them."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
+    def snapshot(self) -> "SpecDecodingStats":
+        """A copy that later observations leave unchanged."""
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.accepted_per_position))
+
+    def minus(self, earlier: "SpecDecodingStats") -> "SpecDecodingStats":
+        """What was observed since `earlier` (a snapshot of these counts)."""
+        per_position = [a - (earlier.accepted_per_position[i] if i < len(earlier.accepted_per_position) else 0)
+                        for i, a in enumerate(self.accepted_per_position)]
+        return SpecDecodingStats(self.num_drafts - earlier.num_drafts, self.num_draft_tokens - earlier.num_draft_tokens,
+                                 self.num_accepted_tokens - earlier.num_accepted_tokens, per_position)
+
     def position_rates(self) -> list[float]:
         """Per draft position, the share of verify steps that accepted it."""
         return [a / self.num_drafts for a in self.accepted_per_position] if self.num_drafts else []

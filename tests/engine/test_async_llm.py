@@ -168,3 +168,13 @@ def test_the_logging_stat_logger_reports_the_prefix_cache_hit_rate(caplog):
                            IterationStats(num_prompt_tokens=200, num_generation_tokens=3))
     assert "prefix cache hit rate 75.0%" in caplog.text and "running 3, waiting 1" in caplog.text
     assert "KV cache usage 25.0%" in caplog.text
+    from mrv2.spec_decode.metrics import SpecDecodingStats
+
+    spec = SpecDecodingStats()
+    for accepted in (3, 1, 2, 0):
+        spec.observe(3, accepted)
+    with caplog.at_level(logging.INFO, logger="mrv2"):
+        stat_logger.record(SchedulerStats(1, 0, 0.1, 0, spec_decoding=spec.snapshot()),
+                           IterationStats(num_generation_tokens=10))
+    assert "mean acceptance length 2.50, draft acceptance rate 50.0% (6 of 12 drafts)" in caplog.text
+    assert "per position 0.75, 0.50, 0.25" in caplog.text

@@ -373,3 +373,19 @@ def test_no_key_server_and_sigterm_mid_stream_exits_cleanly():
     # No engine or server process is left behind.
     alive = subprocess.run(["pgrep", "-f", f"--port {s.port}"], capture_output=True, text=True).stdout.split()
     assert [p for p in alive if int(p) != os.getpid()] == []
+
+
+def test_speculative_decoding_serves_the_same_text_and_reports_acceptance(client):
+    s = Server("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    try:
+        spec = openai.OpenAI(base_url=s.url + "/v1", api_key="anything", max_retries=0)
+        prompt = "Copy this list: apples, pears, plums, apples, pears, plums, apples, pears, plums, apples,"
+        kwargs = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+        streamed = "".join(c.choices[0].text for c in spec.completions.create(stream=True, **kwargs))
+        assert streamed == client.completions.create(**kwargs).choices[0].text
+        m = s.wait_idle()
+        accepted = m["mrv2:spec_decode_num_accepted_tokens_total"]
+        assert m["mrv2:spec_decode_num_draft_tokens_total"] >= accepted > 0
+        assert m["mrv2:spec_decode_num_accepted_tokens_per_pos_total"] == accepted
+    finally:
+        assert s.stop() in (0, -signal.SIGTERM)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mrv2.engine.stats import IterationStats, SchedulerStats
+from mrv2.spec_decode.metrics import SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0)
@@ -43,6 +44,12 @@ class PrometheusStatLogger:
         self.e2e = histogram("mrv2:e2e_request_latency_seconds", "Time from arrival to the last token.")
         self._success = Counter("mrv2:request_success", "Finished requests, by finish reason.",
                                 labels + ["finished_reason"], registry=r)
+        self.spec_drafts = counter("mrv2:spec_decode_num_drafts", "Request-steps that verified draft tokens.")
+        self.spec_draft_tokens = counter("mrv2:spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted = counter("mrv2:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_pos = Counter("mrv2:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by draft position.", labels + ["position"], registry=r)
+        self._spec_seen = SpecDecodingStats()
         self._model_name = model_name
         self._preemptions_seen = 0
         self._queries_seen = self._hits_seen = 0
@@ -65,5 +72,13 @@ class PrometheusStatLogger:
             self.itl.observe(value)
         for value in iteration.e2e_latencies:
             self.e2e.observe(value)
+        if (spec := scheduler.spec_decoding) is not None:
+            delta = spec.minus(self._spec_seen)
+            self._spec_seen = spec
+            self.spec_drafts.inc(delta.num_drafts)
+            self.spec_draft_tokens.inc(delta.num_draft_tokens)
+            self.spec_accepted.inc(delta.num_accepted_tokens)
+            for position, accepted in enumerate(delta.accepted_per_position):
+                self._spec_per_pos.labels(self._model_name, str(position)).inc(accepted)
         for reason in iteration.finish_reasons:
             self._success.labels(self._model_name, reason).inc()
