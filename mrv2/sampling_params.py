@@ -52,6 +52,8 @@ class SamplingParams:
     `allowed_token_ids` restricts sampling to those ids; `bad_words` are never
     generated (their last token is banned after the rest of them). `spaces_between_special_tokens` joins special
     tokens and the text around them with a space when they are not skipped.
+    `num_speculative_tokens` caps this request's draft tokens per step where the engine
+    speculates (0: none; None: the engine's `speculative_config`).
     """
 
     n: int = 1
@@ -77,6 +79,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    num_speculative_tokens: int | None = None
     # The token sequences `bad_words` ban, set by the engine from its tokenizer (not an argument).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -106,6 +109,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ValueError(f"num_speculative_tokens must be a non-negative integer, got {k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

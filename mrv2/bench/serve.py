@@ -160,6 +160,8 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
             argv += [flag] if value else ([] if key == "enforce_eager" else ["--no-" + flag[2:]])
         elif key == "graph_capture_sizes":
             argv += [flag, ",".join(map(str, value))]
+        elif isinstance(value, dict):  # --speculative-config
+            argv += [flag, json.dumps(value)]
         else:
             argv += [flag, str(value)]
     return argv

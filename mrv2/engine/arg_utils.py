@@ -38,7 +38,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "batches when it fits), gguf: int4 only, none: dequantize")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prefixes shared between requests (default: on)")
-    g.add_argument("--batch-invariant", action="store_true",
+    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
                    help="bitwise-identical logprobs for a request whatever batch it runs in (slower)")
     g.add_argument("--speculative-config", type=_json_dict, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')

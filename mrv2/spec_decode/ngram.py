@@ -35,6 +35,8 @@ class NgramProposer:
         return []
 
     def propose_for(self, requests: Iterable) -> None:
-        """Set `spec_token_ids` of each request (anything with `all_token_ids`) to its drafts."""
+        """Set `spec_token_ids` of each request to its drafts, at most its own `num_speculative_tokens`."""
         for request in requests:
-            request.spec_token_ids = self.propose(request.all_token_ids)
+            cap = request.sampling_params.num_speculative_tokens
+            if cap != 0:
+                request.spec_token_ids = self.propose(request.all_token_ids)[:cap]

@@ -23,13 +23,17 @@ def test_summarize_percentiles_and_failures():
 
 def test_engine_options_reach_the_server_it_starts():
     args = build_parser().parse_args(["bench", "serve", "--dtype", "float32", "--max-model-len", "256",
-                                      "--no-async-scheduling", "--enforce-eager", "--graph-capture-sizes", "1,2"])
+                                      "--no-async-scheduling", "--enforce-eager", "--graph-capture-sizes", "1,2",
+                                      "--batch-invariant", "--speculative-config", '{"method": "ngram"}'])
     argv = _engine_argv(args)
     for expected in (["--dtype", "float32"], ["--max-model-len", "256"], ["--no-async-scheduling"],
-                     ["--enforce-eager"], ["--graph-capture-sizes", "1,2"]):
+                     ["--enforce-eager"], ["--graph-capture-sizes", "1,2"], ["--batch-invariant"],
+                     ["--speculative-config", '{"method": "ngram"}']):
         i = argv.index(expected[0])
         assert argv[i:i + len(expected)] == expected
-    assert build_parser().parse_args(["serve", *argv]).async_scheduling is False
+    served = build_parser().parse_args(["serve", *argv])
+    assert served.async_scheduling is False and served.batch_invariant is True
+    assert served.speculative_config == {"method": "ngram"}
 
 
 def test_a_whole_run_writes_json_and_a_plot(tmp_path):

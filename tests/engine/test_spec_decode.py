@@ -91,3 +91,16 @@ def test_aborts_mid_speculation_return_every_block():
 def test_bad_speculative_configs_name_the_problem(config, match):
     with pytest.raises(ValueError, match=match):
         LLM(speculative_config=config)
+
+
+def test_a_request_may_cap_or_turn_off_its_drafts(without_drafts):
+    spec = _llm(True)
+    stats = spec.engine.scheduler.spec_stats
+    off = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, num_speculative_tokens=0)
+    assert _tokens(spec, off) == without_drafts[0] and stats.num_drafts == 0
+    one = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, num_speculative_tokens=1)
+    mixed = _tokens(spec, [one, off, GREEDY, off])  # per-request parameters: some speculate, some not
+    assert mixed == without_drafts[0]
+    assert stats.num_drafts > 0 and len(stats.accepted_per_position) == 3  # the uncapped request drafted 3
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        spec.generate("hi", SamplingParams(num_speculative_tokens=-1))
