@@ -1,0 +1,54 @@
+"""The probabilistic rejection sampler, for drafters that propose a distribution.
+
+Draft i of a request (drawn from the drafter's distribution q_i) is accepted with
+probability min(1, p_i(d) / q_i(d)), where p_i is the target's distribution at that
+position; at the first rejection the token is drawn from the residual
+normalize(max(p_i - q_i, 0)) and the request emits nothing after it; when every draft
+holds, a bonus token is drawn from the target's distribution after the last draft.
+Each emitted token is then distributed exactly as the target's (Leviathan et al.,
+2023; vLLM's RejectionSampler). Drafts that are single tokens (n-gram lookup, greedy
+drafters) need no distributions: `draft_verify` covers them by drawing at every
+position. Everything is batched on the device with host-known shapes; randomness comes
+from the caller's generator, so a seeded call is reproducible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _race(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of unnormalized `weights` [..., V] (the exponential race: argmax w / E, E ~ Exp(1))."""
+    e = torch.empty_like(weights).exponential_(generator=generator)
+    return (weights / e).argmax(dim=-1)
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_ids: torch.Tensor,
+                     num_drafts: torch.Tensor,
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B, k + 1], num_emitted [B]).
+
+    target_probs [B, k + 1, V]: the target's distributions at each draft position and after the last;
+    draft_probs [B, k, V] and draft_ids [B, k]: the drafter's distributions and its draws; row b
+    verifies its first num_drafts[b] drafts. Row b emits tokens[b, :num_emitted[b]].
+    """
+    b, k = draft_ids.shape
+    cols = torch.arange(k, device=draft_ids.device)
+    p = target_probs[:, :k].gather(-1, draft_ids[..., None])[..., 0]
+    q = draft_probs.gather(-1, draft_ids[..., None])[..., 0]
+    u = torch.rand(b, k, device=p.device, dtype=p.dtype, generator=generator)
+    accept = (u * q < p) & (cols < num_drafts[:, None])  # u < p / q without dividing by a zero q
+    num_accepted = accept.int().cumprod(dim=1).sum(dim=1)
+    residual = (target_probs[:, :k] - draft_probs).clamp_(min=0)
+    # Where p <= q everywhere the residual is empty, but then no draft is ever rejected there.
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty, target_probs[:, :k], residual)
+    recovered = _race(residual, generator)  # [B, k]: the token a rejection at each position draws
+    after_last = num_drafts.long()[:, None, None].expand(-1, 1, target_probs.shape[-1])
+    bonus = _race(target_probs.gather(1, after_last)[:, 0], generator)  # after the last verified draft
+    tokens = torch.cat([draft_ids, bonus[:, None]], dim=1).clone()
+    at = num_accepted.long()
+    rejected = at < num_drafts
+    last = torch.where(rejected, recovered.gather(1, at.clamp(max=k - 1)[:, None])[:, 0], bonus)
+    tokens.scatter_(1, at[:, None], last[:, None])
+    return tokens, num_accepted + 1
