@@ -8,44 +8,55 @@ holds, a bonus token is drawn from the target's distribution after the last draf
 Each emitted token is then distributed exactly as the target's (Leviathan et al.,
 2023; vLLM's RejectionSampler). Drafts that are single tokens (n-gram lookup, greedy
 drafters) need no distributions: `draft_verify` covers them by drawing at every
-position. Everything is batched on the device with host-known shapes; randomness comes
-from the caller's generator, so a seeded call is reproducible.
+position. Everything is batched on the device with host-known shapes. Randomness is
+stateless, like the sampler's (`gumbel`): every draw depends on (request seed, token
+position) only, so a seeded request repeats whatever else is in the batch.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mrv2.sample.gumbel import gumbel_noise, uniform
 
-def _race(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row of unnormalized `weights` [..., V] (the exponential race: argmax w / E, E ~ Exp(1))."""
-    e = torch.empty_like(weights).exponential_(generator=generator)
-    return (weights / e).argmax(dim=-1)
+_ACCEPT_SALT = 0x5BD1E995  # keys the acceptance uniforms apart from the same position's categorical noise
+
+
+def _draw(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One token per row of unnormalized `weights` [N, V] (Gumbel-max on log weights; zero weight never wins)."""
+    return (weights.log() + gumbel_noise(seeds, positions, weights.shape[-1])).argmax(dim=-1)
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_ids: torch.Tensor,
-                     num_drafts: torch.Tensor,
-                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_drafts: torch.Tensor, seeds: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B, k + 1], num_emitted [B]).
 
     target_probs [B, k + 1, V]: the target's distributions at each draft position and after the last;
     draft_probs [B, k, V] and draft_ids [B, k]: the drafter's distributions and its draws; row b
-    verifies its first num_drafts[b] drafts. Row b emits tokens[b, :num_emitted[b]].
+    verifies its first num_drafts[b] drafts, the first at token position positions[b], with
+    seed seeds[b]. Row b emits tokens[b, :num_emitted[b]].
     """
     b, k = draft_ids.shape
-    cols = torch.arange(k, device=draft_ids.device)
+    v = target_probs.shape[-1]
+    cols = torch.arange(k + 1, device=draft_ids.device)
+    pos = positions.long()[:, None] + cols  # [B, k + 1] the token position of every draw
+    rows_seeds = seeds.long()[:, None].expand(-1, k + 1)
     p = target_probs[:, :k].gather(-1, draft_ids[..., None])[..., 0]
     q = draft_probs.gather(-1, draft_ids[..., None])[..., 0]
-    u = torch.rand(b, k, device=p.device, dtype=p.dtype, generator=generator)
+    u = uniform((rows_seeds[:, :k] ^ _ACCEPT_SALT).flatten(), pos[:, :k].flatten(), 1).view(b, k).to(p.dtype)
+    cols = cols[:k]
     accept = (u * q < p) & (cols < num_drafts[:, None])  # u < p / q without dividing by a zero q
     num_accepted = accept.int().cumprod(dim=1).sum(dim=1)
     residual = (target_probs[:, :k] - draft_probs).clamp_(min=0)
     # Where p <= q everywhere the residual is empty, but then no draft is ever rejected there.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, target_probs[:, :k], residual)
-    recovered = _race(residual, generator)  # [B, k]: the token a rejection at each position draws
-    after_last = num_drafts.long()[:, None, None].expand(-1, 1, target_probs.shape[-1])
-    bonus = _race(target_probs.gather(1, after_last)[:, 0], generator)  # after the last verified draft
+    # [B, k]: the token a rejection at each position draws.
+    recovered = _draw(residual.flatten(0, 1), rows_seeds[:, :k].flatten(), pos[:, :k].flatten()).view(b, k)
+    after = num_drafts.long()
+    bonus = _draw(target_probs.gather(1, after[:, None, None].expand(-1, 1, v))[:, 0], seeds.long(),
+                  pos.gather(1, after[:, None])[:, 0])  # the token after the last verified draft
     tokens = torch.cat([draft_ids, bonus[:, None]], dim=1).clone()
     at = num_accepted.long()
     rejected = at < num_drafts

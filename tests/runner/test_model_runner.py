@@ -38,7 +38,8 @@ def test_transient_grows_with_max_model_len_and_max_num_seqs_as_the_gather(tiny_
     def transient(r):
         return r.activation_bytes() - r.model.estimate_activation_bytes(r.max_num_tokens, r.max_num_reqs)
 
-    masks = 2 * base.max_num_tokens * (512 - 128)  # the step's masks: two bools per query and key
+    # The step's masks: two bools per query and key, queries padded up to 2x (attention/torch_paged.py).
+    masks = 2 * 2 * base.max_num_tokens * (512 - 128)
     assert transient(longer) - transient(base) == _gather_bytes(longer) - _gather_bytes(base) + masks
     assert transient(wider) - transient(base) == _gather_bytes(wider) - _gather_bytes(base)
 
