@@ -160,7 +160,7 @@ class SpeculativeConfig:
             return d
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
-        known = {f for f in cls.__dataclass_fields__}
+        known = set(cls.__dataclass_fields__)
         if unknown := sorted(set(d) - known):
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
         return cls(**d)

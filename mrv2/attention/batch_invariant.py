@@ -68,9 +68,9 @@ class BatchInvariantAttention(TorchPagedAttention):
         qlens = np.diff(qsl)
         tiles_per_req = -(-qlens // ROW_TILE)
         tile_req = np.repeat(np.arange(n), tiles_per_req)
+        first_tile = np.cumsum(tiles_per_req) - tiles_per_req  # each request's first tile
         # Offset of each tile's first row within its request's query.
-        tile_first = (np.arange(len(tile_req)) - np.repeat(np.cumsum(tiles_per_req) - tiles_per_req,
-                                                           tiles_per_req)) * ROW_TILE
+        tile_first = (np.arange(len(tile_req)) - first_tile[tile_req]) * ROW_TILE
         device = common.seq_lens.device
         req = torch.from_numpy(tile_req).to(device)
         r = torch.arange(ROW_TILE, device=device)
@@ -86,7 +86,6 @@ class BatchInvariantAttention(TorchPagedAttention):
         # Each token's tile row, from host-known sizes (tokens past the last request are padding).
         tokens = np.arange(nt)
         tok_req = np.minimum(np.searchsorted(qsl[1:], tokens, side="right"), n - 1)
-        first_tile = np.cumsum(tiles_per_req) - tiles_per_req
         within = np.minimum(tokens - qsl[tok_req], np.maximum(qlens[tok_req] - 1, 0))
         out_index = first_tile[tok_req] * ROW_TILE + within
         blocks = common.block_table[:n][req].long()

@@ -69,17 +69,15 @@ class LocalEngine(BenchEngine):
         self.info = _info(llm)
 
     def timed_generate(self, prompts: list[list[int]], params: Any) -> TimedRun:
-        from mrv2.spec_decode.metrics import SpecDecodingStats
-
         timing = self.llm.engine.runner.timing
         timing.reset()
-        scheduler = self.llm.engine.scheduler
-        scheduler.spec_stats = SpecDecodingStats()
+        spec_before = self.llm.engine.scheduler.spec_stats.snapshot()
         t0 = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         seconds = time.perf_counter() - t0
         return TimedRun(seconds, timing.wait_share(seconds), [o.outputs[0].token_ids for o in outputs],
-                        spec=scheduler.spec_stats if self.llm.engine.proposer is not None else None)
+                        spec=self.llm.engine.scheduler.spec_stats.minus(spec_before)
+                        if self.llm.engine.proposer is not None else None)
 
     def timed_stream(self, prompts: list[list[int]], params: Any, cold_cache: bool = True) -> TimedRun:
         from mrv2.sampling_params import RequestOutputKind

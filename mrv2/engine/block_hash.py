@@ -3,8 +3,9 @@
 hash(block i) = sha256(hash(block i - 1) | its token ids | extra keys), with the
 first block's parent a fixed value. A request's `cache_salt` is the first block's
 extra key, so through the chain it separates every block of requests salted apart
-(vLLM's cache_salt: tenants that must not observe each other's cache timing). Two requests share a block's KV exactly when
-their hashes agree, i.e. when their token sequences agree up to that block's end.
+(vLLM's cache_salt: tenants that must not observe each other's cache timing). Two
+requests share a block's KV exactly when their hashes agree, i.e. when their token
+sequences (and salts) agree up to that block's end.
 SHA-256 (as vLLM's default) makes a collision, which would serve one request
 another's KV, practically impossible. Hashes are computed once per block, as its
 tokens become known.

@@ -47,10 +47,8 @@ class KVCacheManager:
         """The cached blocks that hold a prefix of a request with no blocks yet (its last token excluded)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position computed
-        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                                     salt=request.hash_salt)
         blocks: list[int] = []
-        for block_hash in hashes[:(request.num_tokens - 1) // self.block_size]:
+        for block_hash in self._block_hashes(request)[:(request.num_tokens - 1) // self.block_size]:
             block = self.block_pool.cached_block(block_hash)
             if block is None:
                 break
@@ -86,12 +84,16 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks of known tokens among its first `num_tokens` (new ones only)."""
-        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_tokens,
-                                     request.hash_salt)
+        hashes = self._block_hashes(request, num_tokens)
         full = min(num_tokens, request.num_tokens) // self.block_size
         for i in range(request.num_cached_blocks, full):
             self.block_pool.cache_block(request.block_ids[i], hashes[i])
         request.num_cached_blocks = max(request.num_cached_blocks, full)
+
+    def _block_hashes(self, request: Request, num_tokens: int | None = None) -> list[bytes]:
+        """The request's block hashes, extended over its full blocks among the first `num_tokens`."""
+        return extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_tokens,
+                                   request.hash_salt)
 
     def free(self, request: Request) -> None:
         """Return all the request's blocks, tail first: the least shareable are evicted first."""

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 ROW_TILE = 16
 
 
-def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """`x` [rows, ...] with zero rows appended up to a multiple of `multiple` (itself when already one)."""
-    pad = -x.shape[0] % multiple
-    return x if pad == 0 else torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` [n, ...] with zero rows appended up to `rows` rows (itself when it has them already)."""
+    pad = rows - x.shape[0]
+    return x if pad <= 0 else torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -33,7 +33,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     n = rows.shape[0]
     if n == 0:
         return F.linear(x, weight, bias)
-    out = torch.cat([F.linear(t, weight, bias) for t in pad_rows(rows, tile).split(tile)])
+    out = torch.cat([F.linear(t, weight, bias) for t in pad_rows(rows, -(-n // tile) * tile).split(tile)])
     return out[:n].view(*x.shape[:-1], weight.shape[0])
 
 

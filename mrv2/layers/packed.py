@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from mrv2.layers.batch_invariant import pad_rows
+
 
 def packing_available() -> bool:
     """Whether this torch build has oneDNN's linear packing ops."""
@@ -39,8 +41,5 @@ def padded_rows(rows: int) -> int:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] @ W^T (+ bias) with a weight from `pack_weight`."""
     rows = x.shape[0]
-    padded = padded_rows(rows)
-    if padded != rows:
-        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return out if padded == rows else out[:rows]
+    out = torch.ops.mkldnn._linear_pointwise(pad_rows(x, padded_rows(rows)), packed, bias, "none", [], "")
+    return out if out.shape[0] == rows else out[:rows]

@@ -39,13 +39,13 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     """
     b, k = draft_ids.shape
     v = target_probs.shape[-1]
-    cols = torch.arange(k + 1, device=draft_ids.device)
-    pos = positions.long()[:, None] + cols  # [B, k + 1] the token position of every draw
-    rows_seeds = seeds.long()[:, None].expand(-1, k + 1)
+    cols = torch.arange(k, device=draft_ids.device)
+    # Seed and token position of every draft's draws, flattened [B * k].
+    draft_seeds = seeds.long()[:, None].expand(-1, k).flatten()
+    draft_pos = (positions.long()[:, None] + cols).flatten()
     p = target_probs[:, :k].gather(-1, draft_ids[..., None])[..., 0]
     q = draft_probs.gather(-1, draft_ids[..., None])[..., 0]
-    u = uniform((rows_seeds[:, :k] ^ _ACCEPT_SALT).flatten(), pos[:, :k].flatten(), 1).view(b, k).to(p.dtype)
-    cols = cols[:k]
+    u = uniform(draft_seeds ^ _ACCEPT_SALT, draft_pos, 1).view(b, k).to(p.dtype)
     accept = (u * q < p) & (cols < num_drafts[:, None])  # u < p / q without dividing by a zero q
     num_accepted = accept.int().cumprod(dim=1).sum(dim=1)
     residual = (target_probs[:, :k] - draft_probs).clamp_(min=0)
@@ -53,10 +53,10 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, target_probs[:, :k], residual)
     # [B, k]: the token a rejection at each position draws.
-    recovered = _draw(residual.flatten(0, 1), rows_seeds[:, :k].flatten(), pos[:, :k].flatten()).view(b, k)
+    recovered = _draw(residual.flatten(0, 1), draft_seeds, draft_pos).view(b, k)
     after = num_drafts.long()
     bonus = _draw(target_probs.gather(1, after[:, None, None].expand(-1, 1, v))[:, 0], seeds.long(),
-                  pos.gather(1, after[:, None])[:, 0])  # the token after the last verified draft
+                  positions.long() + after)  # the token after the last verified draft
     tokens = torch.cat([draft_ids, bonus[:, None]], dim=1).clone()
     at = num_accepted.long()
     rejected = at < num_drafts
