@@ -131,17 +131,27 @@ class SpeculativeConfig:
     `num_speculative_tokens` draft tokens per request and step, which the target model
     verifies in one forward (exactly: the output equals the output without drafts).
 
-    "ngram" (prompt lookup): the drafts are the tokens that followed the latest earlier
-    occurrence of the request's last n tokens in its own prompt and output, for the
-    longest n in [`prompt_lookup_min`, `prompt_lookup_max`] that occurs.
+    - "ngram" (prompt lookup): the drafts are the tokens that followed the latest earlier
+      occurrence of the request's last n tokens in its own prompt and output, for the
+      longest n in [`prompt_lookup_min`, `prompt_lookup_max`] that occurs;
+    - "draft_model": a smaller model of any supported architecture at `model`, sharing
+      the target's tokenizer, drafts greedily with its own KV cache;
+    - "eagle" / "eagle3": an Eagle or Eagle-3 head at `model` drafts from the target's
+      hidden states;
+    - "mtp": DeepSeek-V3's multi-token-prediction layer, from the target's own
+      checkpoint (or `model`).
+
+    Model-based drafters keep their KV cache in the target's blocks (same block ids).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    model: str | None = None
 
-    METHODS = ("ngram",)
+    METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+    MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 
     def __post_init__(self) -> None:
         if self.method not in self.METHODS:
@@ -152,6 +162,17 @@ class SpeculativeConfig:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not all(isinstance(n, int) and not isinstance(n, bool) for n in (lo, hi)) or not 1 <= lo <= hi:
             raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo}, {hi}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative_config model must be a path, got {self.model!r}")
+        if self.method in ("draft_model", "eagle", "eagle3") and self.model is None:
+            raise ValueError(f"speculative_config method {self.method!r} needs a 'model' (a checkpoint folder)")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config method 'ngram' takes no 'model'")
+
+    @property
+    def uses_model(self) -> bool:
+        """Whether a drafter model runs on the device after each step (every method but n-gram)."""
+        return self.method in self.MODEL_METHODS
 
     @classmethod
     def from_dict(cls, d: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

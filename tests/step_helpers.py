@@ -22,6 +22,6 @@ def step_with_logits(engine):
     sched = engine.scheduler.schedule()
     engine.runner.execute_model(sched)
     pending = engine.runner._pending
-    logits = None if pending is None else pending.forward.result()[1].clone()
+    logits = None if pending is None else pending.forward.result().logits.clone()
     out = engine.runner.sample_tokens().get()
     return engine.scheduler.update_from_output(sched, out), logits

@@ -83,7 +83,7 @@ class LLMEngine:
             if policy.uses_int4:
                 weights, quant_policy = iter_weights_keeping_quantized(path), policy
             logger.info("Quantized GGUF weights %s: %s", "kept quantized" if quant_policy else "dequantized", why)
-        self.runner = ModelRunner(config, self.platform, hf_config, weights, self.dtype, quant_policy)
+        self.runner = ModelRunner(config, self.platform, hf_config, weights, self.dtype, quant_policy, path)
         num_blocks = self._plan_kv_cache()
         alignment = config.cache.base_alignment(self.platform.kv_alignment)
         try:
@@ -94,8 +94,10 @@ class LLMEngine:
                 f"{str(e).splitlines()[0][:200]}; lower kv_cache_memory (or kv_cache_memory_fraction, "
                 f"max_num_seqs or max_model_len)") from e
         self.runner.capture_graphs()
+        drafter = self.runner.drafter
         self.scheduler = Scheduler(config.scheduler, config.cache.block_size, num_blocks, max_model_len,
-                                   config.cache.enable_prefix_caching)
+                                   config.cache.enable_prefix_caching,
+                                   drafter.lookahead_tokens if drafter is not None else 0)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s layout, %d B aligned); max concurrency "
                     "%.1f requests of %d tokens; ready in %.1f s", num_blocks, config.cache.block_size,
                     kv.raw.numel() / 2**20, config.cache.layout, alignment,
@@ -108,8 +110,9 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, AsyncRunnerOutput]] = deque()
         self._max_in_flight = 2 if config.async_scheduling else 1
         spec = config.speculative
-        self.proposer = None if spec is None else NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                                                spec.prompt_lookup_max)
+        self.proposer = None
+        if spec is not None and not spec.uses_model:
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _plan_kv_cache(self) -> int:
         cfg = self.config
@@ -260,6 +263,8 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched, runner_out)
         if self.proposer is not None:  # drafts for the next step, from the tokens just sampled
             self.proposer.propose_for(r for r in updated if r.status == RequestStatus.RUNNING)
+        elif runner_out.draft_token_ids is not None:  # proposed on the device by the drafter
+            _take_drafts(updated, runner_out)
         stopped = self.output_processor.detokenize(updated)
         if stopped:  # a stop string: the request ends now, like one that sampled a stop token
             self.scheduler.finish_requests([r.req_id for r in stopped], RequestStatus.FINISHED_STOPPED)
@@ -278,6 +283,15 @@ class LLMEngine:
             except Exception:  # noqa: BLE001 - shutting down: the step's requests just end
                 self.scheduler.fail_step(sched)
         self.runner.close()
+
+
+def _take_drafts(updated: list[Request], runner_out) -> None:
+    """Give each running request that got tokens its drafter's proposals, at most its own cap."""
+    drafts = dict(zip(runner_out.req_ids, runner_out.draft_token_ids))
+    for request in updated:
+        cap = request.sampling_params.num_speculative_tokens
+        if request.status == RequestStatus.RUNNING and cap != 0:
+            request.spec_token_ids = drafts[request.req_id][:cap]
 
 
 def _cache_salt(prompt: Any) -> str | None:

@@ -37,7 +37,7 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, block_size: int, num_gpu_blocks: int,
-                 max_model_len: int, enable_prefix_caching: bool = False) -> None:
+                 max_model_len: int, enable_prefix_caching: bool = False, num_lookahead_tokens: int = 0) -> None:
         if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) must be at least "
@@ -58,6 +58,8 @@ class Scheduler:
         self._draining: dict[str, Request] = {}
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats()
+        # KV positions past a step's tokens that a model-based drafter writes: allocated with the step.
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     # Requests in and out.
 
@@ -137,7 +139,8 @@ class Scheduler:
             num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             drafts = self._drafts_to_verify(request, budget) if num_new == 1 and not pending else []
             num_new += len(drafts)
-            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            while (new_blocks := self.kv_cache_manager.allocate_slots(
+                    request, num_new + self._lookahead(request, num_new))) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -166,7 +169,8 @@ class Scheduler:
                     break
                 num_new = budget
             request.num_computed_tokens = num_hit
-            if self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
+            if self.kv_cache_manager.allocate_slots(request, num_new + self._lookahead(request, num_new),
+                                                    computed) is None:
                 request.num_computed_tokens = 0
                 break
             self.kv_cache_manager.record_lookup(request.num_tokens, num_hit)
@@ -250,6 +254,9 @@ class Scheduler:
             if request.num_steps_in_flight == 0 and self._draining.pop(req_id, None) is not None:
                 self.kv_cache_manager.free(request)
         return updated
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - request.num_computed_tokens - num_new))
 
     def _drafts_to_verify(self, request: Request, budget: int) -> list[int]:
         """The request's proposed drafts that fit this step: the budget, max_tokens and

@@ -115,6 +115,8 @@ class CausalLM(nn.Module):
         self.lm_head_int4_max_rows = 0
         self.lm_head_packed: torch.Tensor | None = None  # the dense LM head in oneDNN's layout
         self.row_tile = 0  # > 0: batch-invariant LM head (`make_batch_invariant`)
+        self.aux_hidden: torch.Tensor | None = None  # see `keep_aux_hidden`
+        self._aux_columns: dict[int, slice] = {}
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         raise NotImplementedError
@@ -153,6 +155,23 @@ class CausalLM(nn.Module):
         fn, modules = self.segment_call(i)
         return fn(*modules, positions, x, residual)
 
+    def keep_aux_hidden(self, layer_ids: tuple[int, ...], max_tokens: int) -> None:
+        """From now on every forward keeps the inputs of layers `layer_ids` (hidden + residual), side
+        by side, in the persistent `aux_hidden` [max_tokens, len(layer_ids) * hidden] (Eagle-3's features)."""
+        h = self.config.hidden_size
+        for i in layer_ids:
+            if not 0 <= i < self.num_attention_calls:
+                raise ValueError(f"auxiliary hidden state layer {i} is not a layer of the target "
+                                 f"({self.num_attention_calls} layers)")
+        self._aux_columns = {i: slice(j * h, (j + 1) * h) for j, i in enumerate(layer_ids)}
+        self.aux_hidden = torch.zeros(max_tokens, len(layer_ids) * h, dtype=self.dtype,
+                                      device=self.norm.weight.device)
+
+    def store_aux_hidden(self, i: int, residual: torch.Tensor) -> None:
+        """After segment i: its residual is layer i's input (hidden + residual, summed by the fused norm)."""
+        if (cols := self._aux_columns.get(i)) is not None:
+            self.aux_hidden[:residual.shape[0], cols].copy_(residual)
+
     def attend(self, i: int, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor:
         """Attention call i over the KV cache (`attn_metadata` None: causal over the tokens, no cache)."""
         return self.layers[i].self_attn.attend(inputs, attn_metadata)
@@ -161,6 +180,7 @@ class CausalLM(nn.Module):
         x, residual = input_ids, None
         for i in range(self.num_attention_calls):
             inputs, residual = self.segment(i, positions, x, residual)
+            self.store_aux_hidden(i, residual)
             x = self.attend(i, inputs, attn_metadata)
         return self.segment(self.num_attention_calls, positions, x, residual)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mrv2.staged_writes import StagedRowWriter, StagedWrite
+from mrv2.staged_writes import StagedRowWriter, StagedWrite, apply_writes
 
 
 class BlockTables:
@@ -18,8 +18,12 @@ class BlockTables:
         self.table = torch.zeros(max_num_reqs, max_blocks_per_req, dtype=torch.int32, device=device)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self._writer = StagedRowWriter(self.table, pin_memory)
+        self._cleared: set[int] = set()  # rows reset since the last take_staged
 
     def reset(self, slot: int) -> None:
+        """Empty the row for a new request: every entry reads the null block 0 until appended, so a
+        position past the request's blocks (a drafter's lookahead) can only touch the null block."""
+        self._cleared.add(slot)
         self.num_blocks[slot] = 0
 
     def append(self, slot: int, block_ids: list[int]) -> None:
@@ -28,11 +32,15 @@ class BlockTables:
 
     def take_staged(self) -> list[StagedWrite]:
         """Pack the staged rows (host work); applying them is device work."""
+        for slot in self._cleared:  # the columns past the appended blocks (no index written twice)
+            self._writer.stage(slot, int(self.num_blocks[slot]),
+                               np.zeros(self.max_blocks_per_req - int(self.num_blocks[slot]), np.int64))
+        self._cleared.clear()
         write = self._writer.take()
         return [] if write is None else [write]
 
     def apply_staged(self) -> None:
-        self._writer.apply()
+        apply_writes(self.take_staged())
 
     def gather(self, idx_mapping: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Copy the rows of `idx_mapping` into `out` (a persistent buffer) and return the view."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import numpy as np
@@ -40,6 +41,8 @@ from mrv2.sample.logprobs import LogprobsTensors, compute_logprobs
 from mrv2.sample.metadata import SamplingFlags
 from mrv2.sample.sampler import Sampler
 from mrv2.sample.states import SamplingStates
+from mrv2.spec_decode.draft_models import build_drafter
+from mrv2.spec_decode.drafter import Drafter, DraftStep
 from mrv2.staged_writes import StagedWrite, apply_writes
 
 logger = logging.getLogger("mrv2")
@@ -50,7 +53,7 @@ class ModelRunner:
     """Turns scheduler outputs into sampled tokens on one device."""
 
     def __init__(self, config: EngineConfig, platform: Platform, hf_config: Any, weights,
-                 dtype: torch.dtype, quant_policy: QuantPolicy | None = None) -> None:
+                 dtype: torch.dtype, quant_policy: QuantPolicy | None = None, model_path: Path | None = None) -> None:
         self.config = config
         self.platform = platform
         self.device = platform.device
@@ -77,6 +80,14 @@ class ModelRunner:
                 logger.info("Dense weights of %d linear layers prepacked for oneDNN (batches of ~%d rows)",
                             packed, rows)
         self.model.eval()
+        spec = config.speculative
+        self.drafter: Drafter | None = None
+        if spec is not None and spec.uses_model:
+            self.drafter = build_drafter(spec, self.model, hf_config, model_path, self.attn_backend, dtype,
+                                         self.max_num_reqs, self.max_num_tokens, self.max_model_len,
+                                         self.block_size, self.device)
+            logger.info("Speculative decoding: %s drafts %d tokens per step on the device", spec.method,
+                        spec.num_speculative_tokens)
 
         max_blocks = -(-self.max_model_len // self.block_size)
         self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device, pin)
@@ -97,8 +108,10 @@ class ModelRunner:
         # prepares step N+1 while step N computes.
         self.queue = platform.device_queue(config.async_scheduling)
         # Sampled ids land here, alternately, so two steps in flight never share a buffer.
-        # With drafts a row holds its emitted count and up to 1 + drafts tokens: at most 2 per token.
-        self._host_out = [torch.zeros(2 * self.max_num_tokens + self.max_num_reqs, dtype=torch.int64, pin_memory=pin)
+        # With drafts a row holds its emitted count and up to 1 + drafts tokens (at most 2 per token),
+        # and with a drafter its proposals for the next step.
+        proposed = self.max_num_reqs * (1 + self.drafter.k) if self.drafter else self.max_num_reqs
+        self._host_out = [torch.zeros(2 * self.max_num_tokens + proposed, dtype=torch.int64, pin_memory=pin)
                           for _ in range(2)]
         self._host_logprobs = [LogprobsHostBuffers(self.max_num_tokens, pin) for _ in range(2)]
         self._host_prompt_logprobs = [LogprobsHostBuffers(self.max_num_tokens, pin) for _ in range(2)]
@@ -107,7 +120,9 @@ class ModelRunner:
     # -- set-up --
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        return self.model.kv_cache_specs()
+        """One spec per attention layer: the target's, then the drafter's (cut from the same blocks)."""
+        drafter = self.drafter.head.kv_cache_specs() if self.drafter else []
+        return self.model.kv_cache_specs() + drafter
 
     @torch.inference_mode()
     def activation_bytes(self) -> int:
@@ -159,7 +174,8 @@ class ModelRunner:
                              f"{self.config.cache.layout!r}")
         self.kv_cache = allocate_kv_cache(self.kv_cache_specs(), self.config.cache.layout, num_blocks,
                                           self.block_size, alignment, self.device)
-        for layer, cache in zip(self.model.attention_layers(), self.kv_cache.layers):
+        layers = self.model.attention_layers() + (self.drafter.head.attention_layers() if self.drafter else [])
+        for layer, cache in zip(layers, self.kv_cache.layers, strict=True):
             layer.kv_cache = cache
         return self.kv_cache
 
@@ -221,20 +237,22 @@ class ModelRunner:
         self.timing.steps += 1
 
     def _forward(self, writes: list[StagedWrite], plan: StepPlan, desc: BatchDescriptor | None,
-                 scored: PromptLogprobsPlan | None) -> tuple[StepBatch, torch.Tensor, LogprobsTensors | None]:
+                 scored: PromptLogprobsPlan | None) -> _ForwardResult:
         """Device work of one step up to the logits (and the prompt logprobs asked for)."""
         with self.timing.phase("forward"):
             apply_writes(writes)
             batch = self.inputs.gather(plan, self.states, self.block_tables)
+            attn_metadata = None
             if desc:
                 hidden = self.graphs.run(desc, batch.attn)
             else:
-                hidden = self.model(batch.input_ids, batch.positions, self.attn_backend.build_metadata(batch.attn))
+                attn_metadata = self.attn_backend.build_metadata(batch.attn)
+                hidden = self.model(batch.input_ids, batch.positions, attn_metadata)
             logits = self.model.compute_logits(hidden[batch.logits_indices], self.platform.logits_chunk_rows)
             prompt_scores = None if scored is None else score_prompt(
                 scored, hidden, self.states.token_ids,
                 partial(self.model.compute_logits, chunk_rows=self.platform.logits_chunk_rows), self.device)
-        return batch, logits, prompt_scores
+        return _ForwardResult(batch, logits, prompt_scores, hidden, attn_metadata)
 
     def sample_tokens(self) -> AsyncRunnerOutput:
         """Launch sampling of the pending step and the post-update of slot state; the sampled
@@ -250,7 +268,8 @@ class ModelRunner:
         num_logprobs = pending.flags.num_logprobs
 
         def sample() -> tuple[HostCopy, LogprobsCopy | None, LogprobsCopy | None]:
-            batch, logits, prompt_scores = pending.forward.result()
+            forward = pending.forward.result()
+            batch, logits, prompt_scores = forward.batch, forward.logits, forward.prompt_scores
             prompt = None if prompt_scores is None else host_prompt_logprobs.start(prompt_scores, event)
             with self.timing.phase("sample"):
                 # Per logits row: its request's slot and the position of the token it samples.
@@ -262,14 +281,17 @@ class ModelRunner:
                 sampled = self.sampler(logits, metadata)
                 logprobs = None if raw_logprobs is None else \
                     host_logprobs.start(compute_logprobs(raw_logprobs, sampled, num_logprobs), event)
-                if not batch.max_drafts:
+                if not batch.max_drafts and self.drafter is None:
                     self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, sampled)
                     return HostCopy.start(sampled, host, event), logprobs, prompt
                 tokens, num_emitted = verify_drafts(sampled, batch.input_ids, batch.logits_indices,
                                                     batch.logits_start, batch.num_drafts, batch.max_drafts)
-                self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, tokens, num_emitted,
-                                               batch.num_drafts)
-                ids = HostCopy.start(torch.cat([num_emitted[:, None].long(), tokens], dim=1), host, event)
+                emitted = self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, tokens, num_emitted,
+                                                         batch.num_drafts)
+                rows = [num_emitted[:, None].long(), tokens]
+                if self.drafter is not None:
+                    rows.append(self.drafter.propose(self._draft_step(forward, num_emitted, emitted)))
+                ids = HostCopy.start(torch.cat(rows, dim=1), host, event)
                 return ids, logprobs, prompt
 
         plan = pending.plan
@@ -280,8 +302,26 @@ class ModelRunner:
 
         wanted = self.sampling.num_logprobs_cpu[plan.idx_cpu] if num_logprobs is not None else None
         return AsyncRunnerOutput(plan.req_ids, self._launch(sample), self.timing,
-                                 reject_drafts if plan.max_drafts else None, wanted, plan.num_drafts_cpu + 1,
-                                 pending.scored.requests if pending.scored is not None else None)
+                                 reject_drafts if plan.max_drafts or self.drafter else None, wanted,
+                                 plan.num_drafts_cpu + 1, pending.scored.requests if pending.scored is not None else None,
+                                 num_proposed=self.drafter.k if self.drafter else 0)
+
+    def _draft_step(self, forward: _ForwardResult, num_emitted: torch.Tensor, emitted: torch.Tensor) -> DraftStep:
+        """What the drafter reads of a finished step (device work, after the post-update)."""
+        batch = forward.batch
+        n, t = batch.attn.num_tokens, batch.num_tokens
+        features = None
+        if self.drafter.head.feature_size:
+            features = self.model.aux_hidden[:n] if self.model.aux_hidden is not None else forward.hidden[:n]
+        last = batch.logits_start + (num_emitted - 1).clamp(min=0)  # the row of the last emitted token
+        return DraftStep(
+            input_ids=batch.input_ids[:n], positions=batch.positions[:n],
+            token_slots=batch.idx_mapping[self.inputs.token_rows[:t]],
+            attn_metadata=forward.attn_metadata or self.attn_backend.build_metadata(batch.attn),
+            features=features, slots=batch.idx_mapping, last_rows=batch.logits_indices[last], emitted=emitted,
+            block_table=batch.attn.block_table[:batch.idx_mapping.shape[0]],
+            seq_lens_cpu=batch.attn.seq_lens_cpu[:batch.idx_mapping.shape[0]],
+            token_ids=self.states.token_ids, num_tokens=self.states.num_tokens)
 
     def _launch(self, work: Callable[[], T]) -> Pending[T]:
         if not self.queue.synchronous:
@@ -312,8 +352,19 @@ class ModelRunner:
 
 
 @dataclass(frozen=True)
+class _ForwardResult:
+    """A step's forward on the device: its inputs, logits, prompt scores, and what a drafter reads."""
+
+    batch: StepBatch
+    logits: torch.Tensor
+    prompt_scores: LogprobsTensors | None
+    hidden: torch.Tensor  # the final hidden states, one row per input token (graph padding included)
+    attn_metadata: Any  # the backend metadata of an eager forward (None when a graph built its own)
+
+
+@dataclass(frozen=True)
 class _PendingStep:
     plan: StepPlan
-    forward: Pending[tuple[StepBatch, torch.Tensor, LogprobsTensors | None]]
+    forward: Pending[_ForwardResult]
     flags: SamplingFlags
     scored: PromptLogprobsPlan | None = None

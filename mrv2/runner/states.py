@@ -95,13 +95,15 @@ class RequestStates:
         self.num_tokens_cpu[idx_cpu] -= num_rejected
 
     def post_update_device(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor, sampled: torch.Tensor,
-                           num_emitted: torch.Tensor | None = None, num_drafts: torch.Tensor | None = None) -> None:
+                           num_emitted: torch.Tensor | None = None,
+                           num_drafts: torch.Tensor | None = None) -> torch.Tensor:
         """Advance progress and append each request's new tokens, on the device.
 
         `sampled` is [B] (one token per row) or [B, 1 + max drafts] with `num_emitted`
         tokens valid per row (the accepted drafts and one more) out of 1 + `num_drafts`
         computed. A request whose prefill is still partial after this step keeps its
         history unchanged (its sample is discarded), decided per row on the device.
+        Returns the tokens each row emitted [B] (0 for a partial prefill).
         """
         if sampled.dim() == 1:
             sampled = sampled[:, None]
@@ -122,6 +124,7 @@ class RequestStates:
         current = self.token_ids[rows, pos]
         self.token_ids[rows, pos] = torch.where((emitted > 0)[:, None], sampled.gather(1, take), current)
         self.num_tokens[idx_mapping] = n + emitted
+        return emitted
 
     def post_update(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor, sampled: torch.Tensor,
                     idx_cpu: np.ndarray, num_scheduled_cpu: np.ndarray) -> None:

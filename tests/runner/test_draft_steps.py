@@ -58,7 +58,7 @@ def _with_drafts(engine, params: SamplingParams, proposer: StubProposer):
         before = request.num_output_tokens
         sched = engine.scheduler.schedule()
         engine.runner.execute_model(sched)
-        _, logits, _ = engine.runner._pending.forward.result()
+        logits = engine.runner._pending.forward.result().logits
         logits = logits.clone()
         steps_with_drafts += bool(sched.scheduled_spec_decode_tokens)
         engine.scheduler.update_from_output(sched, engine.runner.sample_tokens().get())

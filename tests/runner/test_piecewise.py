@@ -72,6 +72,9 @@ class ToyModel:
             return h * 10
         return (h + positions[:, None], h * 2), h
 
+    def store_aux_hidden(self, i, residual):
+        pass
+
     def attend(self, i, inputs, metadata):
         q, k = inputs
         self.log.append(("attend", i, q.shape[0], None if metadata is None else metadata["bias"]))

@@ -37,6 +37,9 @@ class SegmentedModel(Protocol):
 
     def attend(self, i: int, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor: ...
 
+    def store_aux_hidden(self, i: int, residual: torch.Tensor) -> None:
+        """Keep segment i's residual where the model records auxiliary hidden states (else nothing)."""
+
 
 class PiecewiseRecording:
     """The captured segments of one descriptor and the attention calls between them."""
@@ -55,6 +58,7 @@ class PiecewiseRecording:
         t = metadata.num_tokens
         for i, piece in enumerate(self.pieces[:-1]):
             piece.replay()
+            self.model.store_aux_hidden(i, piece.output[1][:t])
             inputs, out = self.links[i]
             out[:t].copy_(self.model.attend(i, tuple(x[:t] for x in inputs), attn_metadata))
         self.pieces[-1].replay()

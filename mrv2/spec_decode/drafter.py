@@ -1,0 +1,111 @@
+"""Model-based drafting on the device, right after a step's tokens are known (draft model, Eagle, MTP).
+
+The drafter's layers keep their KV cache in the target's blocks: same block table,
+same slots, so allocation, prefix caching and preemption need nothing of their own.
+After the target's step and its post-update (the emitted tokens are in the slots'
+token history), one propose call runs:
+
+1. a pass over the step's own tokens, attending exactly as the target did, which
+   writes the drafter's KV for every position the target computed. A draft model
+   reads token i at position i; a head (Eagle, Eagle-3, MTP) reads the token at i + 1
+   and the target's features at i, so its row at the last accepted input position
+   already predicts the first draft.
+2. single-token decode passes from each request's last emitted token, one draft
+   each, until k drafts exist. Their KV lands past the step's tokens, in blocks the
+   scheduler allocated ahead (`Drafter.lookahead_tokens`); rows with nothing to draft
+   (a partial prefill) or positions past max_model_len write into the null block.
+
+Drafting is greedy (argmax of the drafter's logits): verification then is exact for
+greedy and random requests alike (see `mrv2.sample.draft_verify`). Everything here is
+device work with host-known shapes: no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from mrv2.attention.backend import AttentionBackend, CommonAttentionMetadata
+from mrv2.models.draft_head import DraftHead
+
+
+@dataclass
+class DraftStep:
+    """What one step hands the drafter (device tensors; batch rows are the step's requests)."""
+
+    input_ids: torch.Tensor  # [n] the step's input ids (graph padding included)
+    positions: torch.Tensor  # [n]
+    token_slots: torch.Tensor  # [t] the slot of each real token (t <= n)
+    attn_metadata: Any  # the backend metadata the target attended with
+    features: torch.Tensor | None  # [n, feature_size] the target's features (heads only)
+    slots: torch.Tensor  # [B] slot of each batch row
+    last_rows: torch.Tensor  # [B] token row of each request's last accepted input
+    emitted: torch.Tensor  # [B] tokens the step emitted per row (0: partial prefill)
+    block_table: torch.Tensor  # [B, max blocks] the batch's block table
+    seq_lens_cpu: np.ndarray  # [B] host upper bounds of the sequence lengths the step computed
+    token_ids: torch.Tensor  # the slots' token history, after the post-update
+    num_tokens: torch.Tensor  # the slots' token counts, after the post-update
+
+
+class Drafter:
+    """Proposes `k` greedy draft tokens per request with a draft model or head (see the module docstring)."""
+
+    def __init__(self, head: DraftHead, k: int, shifted: bool, backend: AttentionBackend, max_num_reqs: int,
+                 max_model_len: int, block_size: int, device: torch.device) -> None:
+        self.head, self.k, self.shifted, self.backend = head, k, shifted, backend
+        self.max_model_len, self.block_size = max_model_len, block_size
+        self._query_start_loc = torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device)
+        self._rows = torch.arange(max_num_reqs, device=device)
+
+    @property
+    def lookahead_tokens(self) -> int:
+        """KV positions past a step's tokens the decode passes write (blocks the scheduler allocates ahead)."""
+        return self.k
+
+    @torch.inference_mode()
+    def propose(self, s: DraftStep) -> torch.Tensor:
+        """[B, k] draft ids (rows that emitted nothing hold junk the engine never reads)."""
+        n, t = s.input_ids.shape[0], s.token_slots.shape[0]
+        ids = s.input_ids
+        if self.shifted:  # each position reads its successor; the just-emitted tokens are in the history
+            ids = ids.clone()
+            ids[:t] = s.token_ids[s.token_slots, s.positions[:t] + 1]
+        features = s.features[:n] if s.features is not None else None
+        hidden, features = self.head(ids, s.positions, features, s.attn_metadata)
+        last_pos = s.num_tokens[s.slots].long() - 1  # position of each request's last emitted token
+        drafts = []
+        if self.shifted:
+            token = self._greedy(hidden[s.last_rows])
+            features = features[s.last_rows]
+            drafts.append(token)
+        else:
+            token = s.token_ids[s.slots, last_pos]
+            features = None
+        for j in range(self.k - len(drafts)):
+            hidden, features = self._decode_pass(s, token, last_pos + j, features, j)
+            token = self._greedy(hidden)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.compute_logits(hidden).argmax(dim=-1)
+
+    def _decode_pass(self, s: DraftStep, token: torch.Tensor, positions: torch.Tensor,
+                     features: torch.Tensor | None, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per request at `positions`; invalid rows write the null block (slot 0)."""
+        b, bs = s.slots.shape[0], self.block_size
+        valid = (s.emitted > 0) & (positions < self.max_model_len)
+        positions = positions.clamp(max=self.max_model_len - 1)
+        blocks = s.block_table[self._rows[:b], positions // bs].long()
+        slot_mapping = torch.where(valid, blocks * bs + positions % bs, 0)
+        seq_lens = torch.where(valid, positions + 1, 1).int()
+        seq_lens_cpu = np.minimum(s.seq_lens_cpu + j + 1, self.max_model_len)
+        common = CommonAttentionMetadata(
+            num_reqs=b, num_tokens=b, num_decodes=b, max_query_len=1, max_seq_len=int(seq_lens_cpu.max()),
+            query_start_loc=self._query_start_loc[:b + 1], seq_lens=seq_lens, block_table=s.block_table,
+            slot_mapping=slot_mapping, query_start_loc_cpu=np.arange(b + 1), seq_lens_cpu=seq_lens_cpu,
+            block_size=bs)
+        return self.head(token, positions, features, self.backend.build_metadata(common))
