@@ -311,8 +311,13 @@ class EngineConfig:
                              "own kernels, whose rounding differs from the eager steps'; drop graph_compile")
 
     def graph_config(self, platform_default: GraphConfig) -> GraphConfig:
-        """The graphs to capture: `graph` or the platform's default; batch-invariant runs never compile pieces."""
+        """The graphs to capture: `graph` or the platform's default; FULL graphs hold verify steps when
+        speculating; batch-invariant runs never compile pieces."""
         graph = self.graph or platform_default
+        if self.speculative is not None and self.speculative.uses_model and graph.decode_query_len == 1:
+            # A drafter gives every decoding request k drafts: verify steps (the last token and the
+            # drafts) are the uniform decode steps.
+            graph = replace(graph, decode_query_len=1 + self.speculative.num_speculative_tokens)
         if self.model.batch_invariant and graph.mode in (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE):
             graph = replace(graph, compile=False)
         return graph

@@ -72,6 +72,7 @@ class DeepseekMTPHead(nn.Module):
         self.dtype = dtype
         self.layer_index = cfg.num_layers  # checkpoint layer index of the (first) MTP layer
         self.feature_size = cfg.hidden_size
+        self.next_feature_size = cfg.hidden_size
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.embed_tokens: VocabEmbedding | None = VocabEmbedding(cfg.vocab_size, h, dtype)
         self.enorm = RMSNorm(h, eps, dtype)

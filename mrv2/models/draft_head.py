@@ -23,6 +23,8 @@ class DraftHead(Protocol):
 
     # Width of the target features the first pass takes (hidden size, or 3x for Eagle-3).
     feature_size: int
+    # Width of the features the head returns for its next pass (its hidden size; 0: none).
+    next_feature_size: int
     # Target layers whose inputs (hidden + residual) are concatenated into the features;
     # () means the target's final, normed hidden states.
     aux_layer_ids: tuple[int, ...]

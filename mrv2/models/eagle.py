@@ -97,6 +97,10 @@ class _EagleHead(nn.Module):
         self._target = (target,)
         self._share_with_target()
 
+    @property
+    def next_feature_size(self) -> int:
+        return self.config.hidden_size
+
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         c = self.config
         return [KVCacheSpec.gqa(c.num_kv_heads, c.head_dim, c.head_dim, self.dtype)] * len(self.layers)

@@ -30,6 +30,7 @@ from mrv2.platforms.device_queue import HostCopy, Pending
 from mrv2.runner.async_output import AsyncRunnerOutput, LogprobsCopy, LogprobsHostBuffers
 from mrv2.runner.block_table import BlockTables
 from mrv2.runner.graphs.descriptor import BatchDescriptor
+from mrv2.runner.graphs.draft_graphs import DraftGraphs
 from mrv2.runner.graphs.model_graphs import ModelGraphs
 from mrv2.runner.input_batch import InputBuffers, StepBatch, StepPlan
 from mrv2.runner.kv_cache import KVCache, allocate_kv_cache
@@ -101,6 +102,10 @@ class ModelRunner:
             self.graphs = ModelGraphs(graph_config, platform.graph_backend, self.model, self.attn_backend,
                                       self.inputs, self.max_num_reqs, self.max_num_tokens, self.max_model_len,
                                       self.block_size)
+            if self.drafter is not None:  # the drafter's decode passes, on the same graph machinery
+                self.drafter.graphs = DraftGraphs(graph_config, platform.graph_backend, self.drafter.head,
+                                                  self.attn_backend, self.drafter.buffers, self.max_num_reqs,
+                                                  self.max_model_len, self.block_size, self.graphs.pool)
         self.kv_cache: KVCache | None = None
         self._pending: _PendingStep | None = None
         self.timing = StepTiming()
@@ -183,6 +188,8 @@ class ModelRunner:
         """Capture every graph descriptor (after the KV cache exists); a no-op when running eagerly."""
         if self.graphs is not None:
             self.graphs.capture()
+        if self.drafter is not None and self.drafter.graphs is not None:
+            self.drafter.graphs.capture()
 
     # -- the step --
 

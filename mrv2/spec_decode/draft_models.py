@@ -23,7 +23,7 @@ from mrv2.spec_decode.drafter import Drafter
 class DraftModel(nn.Module):
     """A whole causal LM as a drafter: it reads token i at position i and no target features."""
 
-    feature_size = 0
+    feature_size = next_feature_size = 0
     aux_layer_ids: tuple[int, ...] = ()
 
     def __init__(self, model: CausalLM) -> None:
@@ -94,4 +94,5 @@ def build_drafter(spec: SpeculativeConfig, target: CausalLM, target_hf_config: A
     if head.aux_layer_ids:
         target.keep_aux_hidden(head.aux_layer_ids, max_num_tokens)
     return Drafter(head, spec.num_speculative_tokens, shifted=method != "draft_model", backend=backend,
-                   max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, device=device)
+                   max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, dtype=dtype,
+                   device=device)

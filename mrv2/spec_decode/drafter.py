@@ -23,7 +23,7 @@ device work with host-known shapes: no host sync.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -50,14 +50,56 @@ class DraftStep:
     num_tokens: torch.Tensor  # the slots' token counts, after the post-update
 
 
+class DraftBuffers:
+    """The decode passes' inputs at fixed addresses (graphs replay over them), sized for every request."""
+
+    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, feature_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.input_ids = zeros(max_num_reqs)
+        self.positions = zeros(max_num_reqs)
+        self.features = zeros(max_num_reqs, max(feature_size, 1), dtype=dtype)
+        self.slot_mapping = zeros(max_num_reqs)
+        self.seq_lens = zeros(max_num_reqs, dtype=torch.int32)
+        self.query_start_loc = torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device)
+        self.block_table = zeros(max_num_reqs, max_blocks_per_req, dtype=torch.int32)
+        self.uses_features = feature_size > 0
+
+    def pad(self, num_reqs: int, padded: int) -> None:
+        """Rows [num_reqs, padded) as padding: token 0 at position 0, length 0, writing the null block."""
+        for buf in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_table):
+            buf[num_reqs:padded].zero_()
+
+
+def decode_forward(head: DraftHead, buffers: DraftBuffers, num_reqs: int,
+                   attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft pass over the buffers' first `num_reqs` rows: (greedy draft ids, the head's next features).
+
+    The whole pass, LM head and argmax included, so a captured graph holds all of it.
+    """
+    features = buffers.features[:num_reqs] if buffers.uses_features else None
+    hidden, features = head(buffers.input_ids[:num_reqs], buffers.positions[:num_reqs], features, attn_metadata)
+    return head.compute_logits(hidden).argmax(dim=-1), features
+
+
+class DecodePassGraphs(Protocol):
+    """Captured decode passes (`mrv2.runner.graphs.draft_graphs`): replay one that fits, or None."""
+
+    def run(self, num_reqs: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None] | None: ...
+
+
 class Drafter:
     """Proposes `k` greedy draft tokens per request with a draft model or head (see the module docstring)."""
 
     def __init__(self, head: DraftHead, k: int, shifted: bool, backend: AttentionBackend, max_num_reqs: int,
-                 max_model_len: int, block_size: int, device: torch.device) -> None:
+                 max_model_len: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.head, self.k, self.shifted, self.backend = head, k, shifted, backend
         self.max_model_len, self.block_size = max_model_len, block_size
-        self._query_start_loc = torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device)
+        self.buffers = DraftBuffers(max_num_reqs, -(-max_model_len // block_size), head.next_feature_size, dtype,
+                                    device)
+        self.graphs: DecodePassGraphs | None = None  # set by the runner when it captures graphs
         self._rows = torch.arange(max_num_reqs, device=device)
 
     @property
@@ -68,7 +110,7 @@ class Drafter:
     @torch.inference_mode()
     def propose(self, s: DraftStep) -> torch.Tensor:
         """[B, k] draft ids (rows that emitted nothing hold junk the engine never reads)."""
-        n, t = s.input_ids.shape[0], s.token_slots.shape[0]
+        n, t, b = s.input_ids.shape[0], s.token_slots.shape[0], s.slots.shape[0]
         ids = s.input_ids
         if self.shifted:  # each position reads its successor; the just-emitted tokens are in the history
             ids = ids.clone()
@@ -76,6 +118,7 @@ class Drafter:
         features = s.features[:n] if s.features is not None else None
         hidden, features = self.head(ids, s.positions, features, s.attn_metadata)
         last_pos = s.num_tokens[s.slots].long() - 1  # position of each request's last emitted token
+        self.buffers.block_table[:b, :s.block_table.shape[1]].copy_(s.block_table)
         drafts = []
         if self.shifted:
             token = self._greedy(hidden[s.last_rows])
@@ -85,8 +128,7 @@ class Drafter:
             token = s.token_ids[s.slots, last_pos]
             features = None
         for j in range(self.k - len(drafts)):
-            hidden, features = self._decode_pass(s, token, last_pos + j, features, j)
-            token = self._greedy(hidden)
+            token, features = self._decode_pass(s, token, last_pos + j, features, j)
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 
@@ -94,18 +136,25 @@ class Drafter:
         return self.head.compute_logits(hidden).argmax(dim=-1)
 
     def _decode_pass(self, s: DraftStep, token: torch.Tensor, positions: torch.Tensor,
-                     features: torch.Tensor | None, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     features: torch.Tensor | None, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token per request at `positions`; invalid rows write the null block (slot 0)."""
-        b, bs = s.slots.shape[0], self.block_size
+        b, bs, buf = s.slots.shape[0], self.block_size, self.buffers
         valid = (s.emitted > 0) & (positions < self.max_model_len)
         positions = positions.clamp(max=self.max_model_len - 1)
-        blocks = s.block_table[self._rows[:b], positions // bs].long()
-        slot_mapping = torch.where(valid, blocks * bs + positions % bs, 0)
-        seq_lens = torch.where(valid, positions + 1, 1).int()
+        buf.input_ids[:b].copy_(token)
+        buf.positions[:b].copy_(positions)
+        if features is not None:
+            buf.features[:b].copy_(features)
+        blocks = buf.block_table[self._rows[:b], positions // bs].long()
+        buf.slot_mapping[:b].copy_(torch.where(valid, blocks * bs + positions % bs, 0))
+        buf.seq_lens[:b].copy_(torch.where(valid, positions + 1, 1))
         seq_lens_cpu = np.minimum(s.seq_lens_cpu + j + 1, self.max_model_len)
+        max_seq_len = int(seq_lens_cpu.max())
+        if self.graphs is not None and (out := self.graphs.run(b, max_seq_len)) is not None:
+            return out
         common = CommonAttentionMetadata(
-            num_reqs=b, num_tokens=b, num_decodes=b, max_query_len=1, max_seq_len=int(seq_lens_cpu.max()),
-            query_start_loc=self._query_start_loc[:b + 1], seq_lens=seq_lens, block_table=s.block_table,
-            slot_mapping=slot_mapping, query_start_loc_cpu=np.arange(b + 1), seq_lens_cpu=seq_lens_cpu,
+            num_reqs=b, num_tokens=b, num_decodes=b, max_query_len=1, max_seq_len=max_seq_len,
+            query_start_loc=buf.query_start_loc[:b + 1], seq_lens=buf.seq_lens[:b], block_table=buf.block_table[:b],
+            slot_mapping=buf.slot_mapping[:b], query_start_loc_cpu=np.arange(b + 1), seq_lens_cpu=seq_lens_cpu,
             block_size=bs)
-        return self.head(token, positions, features, self.backend.build_metadata(common))
+        return decode_forward(self.head, buf, b, self.backend.build_metadata(common))

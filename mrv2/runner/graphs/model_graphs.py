@@ -74,6 +74,11 @@ class ModelGraphs:
         return [desc for _, manager in self._tiers for desc in manager.descriptors]
 
     @property
+    def pool(self) -> Any:
+        """The memory pool every graph of this model shares (None where graphs keep no pool)."""
+        return self._tiers[0][1].pool
+
+    @property
     def uses_pool(self) -> bool:
         """Whether the graphs keep device memory in a pool (device graphs; not the CPU's backends)."""
         return any(manager.pool is not None for _, manager in self._tiers)
