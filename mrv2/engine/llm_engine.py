@@ -42,9 +42,9 @@ class LLMEngine:
         self.platform = get_platform(config.device)
         if config.async_scheduling is None:
             config = replace(config, async_scheduling=self.platform.default_async_scheduling)
-        if config.speculative is not None and config.async_scheduling:
+        if config.speculative is not None and not config.speculative.uses_model and config.async_scheduling:
             # N-gram drafts extend the tokens sampled last step, which async scheduling leaves
-            # on the device while it schedules the next step.
+            # on the device while it schedules the next step (a drafter's stay there too).
             logger.info("Speculative decoding (%s) runs with serial scheduling", config.speculative.method)
             config = replace(config, async_scheduling=False)
         self.platform.configure_threads(host_only=config.async_scheduling)
@@ -97,7 +97,7 @@ class LLMEngine:
         drafter = self.runner.drafter
         self.scheduler = Scheduler(config.scheduler, config.cache.block_size, num_blocks, max_model_len,
                                    config.cache.enable_prefix_caching,
-                                   drafter.lookahead_tokens if drafter is not None else 0)
+                                   drafter.k if drafter is not None else 0)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s layout, %d B aligned); max concurrency "
                     "%.1f requests of %d tokens; ready in %.1f s", num_blocks, config.cache.block_size,
                     kv.raw.numel() / 2**20, config.cache.layout, alignment,
@@ -263,8 +263,6 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched, runner_out)
         if self.proposer is not None:  # drafts for the next step, from the tokens just sampled
             self.proposer.propose_for(r for r in updated if r.status == RequestStatus.RUNNING)
-        elif runner_out.draft_token_ids is not None:  # proposed on the device by the drafter
-            _take_drafts(updated, runner_out)
         stopped = self.output_processor.detokenize(updated)
         if stopped:  # a stop string: the request ends now, like one that sampled a stop token
             self.scheduler.finish_requests([r.req_id for r in stopped], RequestStatus.FINISHED_STOPPED)
@@ -283,15 +281,6 @@ class LLMEngine:
             except Exception:  # noqa: BLE001 - shutting down: the step's requests just end
                 self.scheduler.fail_step(sched)
         self.runner.close()
-
-
-def _take_drafts(updated: list[Request], runner_out) -> None:
-    """Give each running request that got tokens its drafter's proposals, at most its own cap."""
-    drafts = dict(zip(runner_out.req_ids, runner_out.draft_token_ids))
-    for request in updated:
-        cap = request.sampling_params.num_speculative_tokens
-        if request.status == RequestStatus.RUNNING and cap != 0:
-            request.spec_token_ids = drafts[request.req_id][:cap]
 
 
 def _cache_salt(prompt: Any) -> str | None:

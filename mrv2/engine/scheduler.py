@@ -37,7 +37,7 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, block_size: int, num_gpu_blocks: int,
-                 max_model_len: int, enable_prefix_caching: bool = False, num_lookahead_tokens: int = 0) -> None:
+                 max_model_len: int, enable_prefix_caching: bool = False, num_device_drafts: int = 0) -> None:
         if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) must be at least "
@@ -58,8 +58,10 @@ class Scheduler:
         self._draining: dict[str, Request] = {}
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats()
-        # KV positions past a step's tokens that a model-based drafter writes: allocated with the step.
-        self.num_lookahead_tokens = num_lookahead_tokens
+        # A model-based drafter proposes this many drafts per request on the device after every step
+        # that samples: the scheduler verifies them as placeholders (the runner reads their ids from
+        # the slot's history) and allocates as many KV positions ahead, which the drafter writes.
+        self.num_device_drafts = num_device_drafts
 
     # Requests in and out.
 
@@ -137,7 +139,7 @@ class Scheduler:
                 continue
             # >= 1: the known tokens and placeholders not computed yet.
             num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
-            drafts = self._drafts_to_verify(request, budget) if num_new == 1 and not pending else []
+            drafts = self._drafts_to_verify(request, budget, pending) if num_new == 1 else []
             num_new += len(drafts)
             while (new_blocks := self.kv_cache_manager.allocate_slots(
                     request, num_new + self._lookahead(request, num_new))) is None:
@@ -187,7 +189,8 @@ class Scheduler:
             request.num_computed_tokens += n
             request.num_steps_in_flight += 1
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1
+                # Up to one token per draft and one more (an upper bound until the output arrives).
+                request.num_output_placeholders += 1 + len(spec.get(req_id, ()))
                 sampled.add(req_id)
         output = SchedulerOutput(
             scheduled_new_reqs=[
@@ -230,12 +233,13 @@ class Scheduler:
                 first, entries = model_runner_output.prompt_logprobs[req_id]
                 request.set_prompt_logprobs(first, entries)
             if req_id in scheduler_output.sampled_req_ids:
-                request.num_output_placeholders -= 1
+                drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())
+                request.num_output_placeholders -= 1 + len(drafts)
                 token_ids = sampled.get(req_id)
                 if token_ids and not request.is_finished:
-                    # Rejected drafts: their KV is written but not part of the sequence.
-                    drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())
-                    request.num_computed_tokens -= len(drafts) + 1 - len(token_ids)
+                    if request.status == RequestStatus.RUNNING:  # a preempted one recomputes from 0
+                        # Rejected drafts: their KV is written but not part of the sequence.
+                        request.num_computed_tokens -= len(drafts) + 1 - len(token_ids)
                     if drafts:
                         self.spec_stats.observe(len(drafts), len(token_ids) - 1)
                     was_running = request.status == RequestStatus.RUNNING
@@ -256,13 +260,25 @@ class Scheduler:
         return updated
 
     def _lookahead(self, request: Request, num_new: int) -> int:
-        return max(0, min(self.num_lookahead_tokens, self.max_model_len - request.num_computed_tokens - num_new))
+        return max(0, min(self.num_device_drafts, self.max_model_len - request.num_computed_tokens - num_new))
 
-    def _drafts_to_verify(self, request: Request, budget: int) -> list[int]:
-        """The request's proposed drafts that fit this step: the budget, max_tokens and
-        max_model_len count every token the step may emit (the drafts and one more)."""
-        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
-                   self.max_model_len - request.num_tokens - 1)
+    def _drafts_to_verify(self, request: Request, budget: int, pending: int) -> list[int]:
+        """The drafts a decoding request verifies this step, as many as fit: the budget, max_tokens and
+        max_model_len count every token the step may emit (the drafts and one more), after the
+        `pending` ones steps in flight may emit.
+
+        Host drafts (n-gram) extend known tokens, so they wait for those; device drafts (a model
+        drafter's, written into the slot by the step that sampled the request's last token) are
+        placeholders (-1), as many as the drafter made and the request allows.
+        """
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - pending - 1,
+                   self.max_model_len - request.num_tokens - pending - 1)
+        if self.num_device_drafts:
+            cap = request.sampling_params.num_speculative_tokens
+            k = self.num_device_drafts if cap is None else min(cap, self.num_device_drafts)
+            return [-1] * max(0, min(room, k))
+        if pending:
+            return []
         drafts, request.spec_token_ids = request.spec_token_ids[:max(room, 0)], []
         return drafts
 

@@ -75,5 +75,3 @@ class ModelRunnerOutput:
     # Per request that asked for prompt logprobs and prefilled prompt tokens this step:
     # (the first scored prompt position, one entry per scored position from there).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
-    # Per request, with a model-based drafter: its proposed drafts for the next step.
-    draft_token_ids: list[list[int]] | None = None

@@ -53,14 +53,13 @@ class AsyncRunnerOutput:
     they are known (the runner corrects its host mirror there). `num_logprobs` (per
     request, -1 for none) says how many alternatives each request gets when the step
     computed logprobs; `rows_per_request` is its logits rows (1 + drafts). `prompt_requests`
-    says whose prompt tokens the step scored (see `runner/prompt_logprobs.py`). With a
-    model-based drafter each row ends with its `num_proposed` drafts for the next step.
+    says whose prompt tokens the step scored (see `runner/prompt_logprobs.py`).
     """
 
     def __init__(self, req_ids: list[str], copy: Pending[tuple[HostCopy, LogprobsCopy | None]] | None,
                  timing: StepTiming | None, on_drafts: Callable[[np.ndarray], None] | None = None,
                  num_logprobs: np.ndarray | None = None, rows_per_request: np.ndarray | None = None,
-                 prompt_requests: list[tuple[str, int, int]] | None = None, num_proposed: int = 0) -> None:
+                 prompt_requests: list[tuple[str, int, int]] | None = None) -> None:
         self.req_ids = req_ids
         self._copy = copy
         self._timing = timing
@@ -68,7 +67,6 @@ class AsyncRunnerOutput:
         self._num_logprobs = num_logprobs
         self._rows_per_request = rows_per_request
         self._prompt_requests = prompt_requests  # (req id, first scored position, count), in copy order
-        self._num_proposed = num_proposed
 
     @classmethod
     def empty(cls) -> "AsyncRunnerOutput":
@@ -83,13 +81,9 @@ class AsyncRunnerOutput:
             host = ids_copy.wait().numpy()
             logprobs_host = logprobs_copy.wait() if logprobs_copy is not None else None
             prompt_host = prompt_copy.wait() if prompt_copy is not None else None
-        proposed = None
         if self._on_drafts is None:
             sampled = [[t] for t in host.tolist()]
         else:
-            k = self._num_proposed
-            if k:
-                host, proposed = host[:, :-k], host[:, -k:].tolist()
             counts = host[:, 0]
             self._on_drafts(counts)
             sampled = [row[1:1 + m].tolist() for row, m in zip(host, counts)]
@@ -102,7 +96,7 @@ class AsyncRunnerOutput:
                 prompt[req_id] = (first, [(ids[r].tolist(), lps[r].tolist(), int(ranks[r]))
                                           for r in range(row, row + count)])
                 row += count
-        return ModelRunnerOutput(self.req_ids, sampled, logprobs, prompt, proposed)
+        return ModelRunnerOutput(self.req_ids, sampled, logprobs, prompt)
 
     def _logprobs(self, host: tuple[np.ndarray, np.ndarray, np.ndarray],
                   sampled: list[list[int]]) -> list[list[TokenLogprobs] | None]:

@@ -163,6 +163,9 @@ class InputBuffers:
         logits_indices = (qsl_cpu[1:b + 1] - per_row)[logits_rows] + logits_offsets
         draft_pos = logits_indices[logits_offsets > 0]  # a draft's input sits after each non-first logits row
         draft_ids = np.fromiter((x for d in drafts for x in d), np.int64, len(draft_pos)) if drafts else draft_pos
+        if drafts:  # placeholders (-1): a drafter already wrote those ids into the slot's history
+            known = draft_ids >= 0
+            draft_pos, draft_ids = draft_pos[known], draft_ids[known]
 
         arrays = {"idx": idx_cpu, "num_scheduled": num_scheduled_cpu, "qsl": qsl_cpu,
                   "logits_indices": logits_indices, "logits_rows": logits_rows, "logits_offsets": logits_offsets,
@@ -208,7 +211,7 @@ class InputBuffers:
         positions = self.positions[:t]
         # Drafts lie past the known history: their ids come from the host, not from token_ids.
         self.input_ids[:t] = states.token_ids[idx[rows], positions]
-        if plan.max_drafts:
+        if plan.segments["draft_pos"].stop > plan.segments["draft_pos"].start:
             self.input_ids.index_copy_(0, dev[seg["draft_pos"]], dev[seg["draft_ids"]])
         torch.add(computed, self.num_scheduled[:b], out=self.seq_lens[:b])
         block_tables.gather(idx, self.block_table)

@@ -91,7 +91,8 @@ class ModelRunner:
                         spec.num_speculative_tokens)
 
         max_blocks = -(-self.max_model_len // self.block_size)
-        self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device, pin)
+        self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device, pin,
+                                    self.drafter.k if self.drafter else 0)
         self.sampling = SamplingStates(self.max_num_reqs, self.model.config.vocab_size, self.device, pin,
                                        config.model.seed)
         self.block_tables = BlockTables(self.max_num_reqs, max_blocks, self.block_size, self.device, pin)
@@ -113,10 +114,8 @@ class ModelRunner:
         # prepares step N+1 while step N computes.
         self.queue = platform.device_queue(config.async_scheduling)
         # Sampled ids land here, alternately, so two steps in flight never share a buffer.
-        # With drafts a row holds its emitted count and up to 1 + drafts tokens (at most 2 per token),
-        # and with a drafter its proposals for the next step.
-        proposed = self.max_num_reqs * (1 + self.drafter.k) if self.drafter else self.max_num_reqs
-        self._host_out = [torch.zeros(2 * self.max_num_tokens + proposed, dtype=torch.int64, pin_memory=pin)
+        # With drafts a row holds its emitted count and up to 1 + drafts tokens: at most 2 per token.
+        self._host_out = [torch.zeros(2 * self.max_num_tokens + self.max_num_reqs, dtype=torch.int64, pin_memory=pin)
                           for _ in range(2)]
         self._host_logprobs = [LogprobsHostBuffers(self.max_num_tokens, pin) for _ in range(2)]
         self._host_prompt_logprobs = [LogprobsHostBuffers(self.max_num_tokens, pin) for _ in range(2)]
@@ -295,10 +294,10 @@ class ModelRunner:
                                                     batch.logits_start, batch.num_drafts, batch.max_drafts)
                 emitted = self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, tokens, num_emitted,
                                                          batch.num_drafts)
-                rows = [num_emitted[:, None].long(), tokens]
-                if self.drafter is not None:
-                    rows.append(self.drafter.propose(self._draft_step(forward, num_emitted, emitted)))
-                ids = HostCopy.start(torch.cat(rows, dim=1), host, event)
+                if self.drafter is not None:  # the next step reads them from the history, as its input
+                    drafts = self.drafter.propose(self._draft_step(forward, num_emitted, emitted))
+                    self.states.write_drafts(batch.idx_mapping, drafts)
+                ids = HostCopy.start(torch.cat([num_emitted[:, None].long(), tokens], dim=1), host, event)
                 return ids, logprobs, prompt
 
         plan = pending.plan
@@ -310,8 +309,7 @@ class ModelRunner:
         wanted = self.sampling.num_logprobs_cpu[plan.idx_cpu] if num_logprobs is not None else None
         return AsyncRunnerOutput(plan.req_ids, self._launch(sample), self.timing,
                                  reject_drafts if plan.max_drafts or self.drafter else None, wanted,
-                                 plan.num_drafts_cpu + 1, pending.scored.requests if pending.scored is not None else None,
-                                 num_proposed=self.drafter.k if self.drafter else 0)
+                                 plan.num_drafts_cpu + 1, pending.scored.requests if pending.scored is not None else None)
 
     def _draft_step(self, forward: _ForwardResult, num_emitted: torch.Tensor, emitted: torch.Tensor) -> DraftStep:
         """What the drafter reads of a finished step (device work, after the post-update)."""

@@ -19,7 +19,8 @@ from mrv2.staged_writes import StagedRowWriter, StagedScalarWriter, StagedWrite,
 class RequestStates:
     """Per-request token history and progress counters (sampling parameters: `mrv2.sample.states`)."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device, pin_memory: bool) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device, pin_memory: bool,
+                 num_draft_columns: int = 0) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
@@ -28,8 +29,9 @@ class RequestStates:
         def zeros(*shape, dtype):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        # One spare column: the post-update writes position num_tokens even at the length limit.
-        self.token_ids = zeros(max_num_reqs, max_model_len + 1, dtype=torch.int64)
+        # One spare column: the post-update writes position num_tokens even at the length limit;
+        # and room for a drafter's proposals after the last token (`write_drafts`).
+        self.token_ids = zeros(max_num_reqs, max_model_len + 1 + num_draft_columns, dtype=torch.int64)
         self.num_tokens = zeros(max_num_reqs, dtype=torch.int32)
         self.num_computed = zeros(max_num_reqs, dtype=torch.int32)
 
@@ -125,6 +127,12 @@ class RequestStates:
         self.token_ids[rows, pos] = torch.where((emitted > 0)[:, None], sampled.gather(1, take), current)
         self.num_tokens[idx_mapping] = n + emitted
         return emitted
+
+    def write_drafts(self, idx_mapping: torch.Tensor, drafts: torch.Tensor) -> None:
+        """Put a drafter's proposals [B, k] right after each row's last token, where the next step's
+        gather reads a verify step's inputs; a step that emits overwrites them with its tokens."""
+        cols = self.num_tokens[idx_mapping].long()[:, None] + torch.arange(drafts.shape[1], device=drafts.device)
+        self.token_ids[idx_mapping[:, None].expand_as(cols), cols] = drafts
 
     def post_update(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor, sampled: torch.Tensor,
                     idx_cpu: np.ndarray, num_scheduled_cpu: np.ndarray) -> None:

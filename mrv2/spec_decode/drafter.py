@@ -12,8 +12,13 @@ token history), one propose call runs:
    already predicts the first draft.
 2. single-token decode passes from each request's last emitted token, one draft
    each, until k drafts exist. Their KV lands past the step's tokens, in blocks the
-   scheduler allocated ahead (`Drafter.lookahead_tokens`); rows with nothing to draft
-   (a partial prefill) or positions past max_model_len write into the null block.
+   scheduler allocated ahead (k positions); rows with nothing to draft (a partial
+   prefill) or positions past max_model_len write into the null block.
+
+The runner writes the drafts into each slot's token history right after its last
+token, where the next step's gather reads a verify step's inputs: the scheduler only
+schedules k placeholders, so the host never needs the ids, and with async scheduling
+the next step is launched before this one's tokens are known.
 
 Drafting is greedy (argmax of the drafter's logits): verification then is exact for
 greedy and random requests alike (see `mrv2.sample.draft_verify`). Everything here is
@@ -101,11 +106,6 @@ class Drafter:
                                     device)
         self.graphs: DecodePassGraphs | None = None  # set by the runner when it captures graphs
         self._rows = torch.arange(max_num_reqs, device=device)
-
-    @property
-    def lookahead_tokens(self) -> int:
-        """KV positions past a step's tokens the decode passes write (blocks the scheduler allocates ahead)."""
-        return self.k
 
     @torch.inference_mode()
     def propose(self, s: DraftStep) -> torch.Tensor:

@@ -122,12 +122,15 @@ def _check(target, spec_config, **kwargs):
         assert _outputs(spec, params) == _outputs(plain, params)
     stats = spec.engine.scheduler.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens > 0
+    # Drafts stay on the device: scheduling runs ahead of the outputs unless told otherwise.
+    assert spec.engine.config.async_scheduling == kwargs.get("async_scheduling", True)
     assert spec.engine.scheduler.block_pool.is_whole()
     return spec
 
 
-CASES = [{}, {"max_num_batched_tokens": 16}, {"graph_mode": "piecewise", "graph_capture_sizes": [1, 2, 4, 8, 16]}]
-CASE_IDS = ["default", "chunked", "piecewise_graphs"]
+CASES = [{}, {"async_scheduling": False}, {"max_num_batched_tokens": 16},
+         {"graph_mode": "piecewise", "graph_capture_sizes": [1, 2, 4, 8, 16]}]
+CASE_IDS = ["async", "serial", "chunked", "piecewise_graphs"]
 
 
 @pytest.mark.parametrize("kwargs", CASES, ids=CASE_IDS)
@@ -162,3 +165,28 @@ def test_eagle_on_the_wrong_architecture_is_refused(llama_target, eagle3):
     with pytest.raises(ValueError, match="LlamaForCausalLMEagle3"):
         LLM(model=str(llama_target), dtype="float32", max_model_len=256, kv_cache_memory=1 << 22,
             speculative_config={"method": "eagle", "model": eagle3})
+
+
+def test_self_drafting_through_prefix_hits_and_aborts(llama_target):
+    """The target drafting for itself accepts every greedy draft, so a drafter KV entry that a prefix
+    hit or an abort got wrong would show as a rejection; every block comes back."""
+    llm = LLM(model=str(llama_target), dtype="float32", max_model_len=256, kv_cache_memory=1 << 22,
+              speculative_config={"method": "draft_model", "model": str(llama_target), "num_speculative_tokens": 3})
+    engine = llm.engine
+    shared = _prompts((70,))[0]["prompt_token_ids"]
+    prompts = [{"prompt_token_ids": shared + tail["prompt_token_ids"]} for tail in _prompts((3, 9, 5))]
+    llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # caches the shared blocks
+    requests = [engine.make_request(p, GREEDY) for p in prompts[1:]]
+    for r in requests:
+        engine.add_request(r)
+    for step in range(30):
+        engine.step()
+        if step == 4:
+            engine.abort([requests[0].req_id])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()
+    stats = engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert engine.scheduler.kv_cache_manager.num_hit_tokens >= 2 * 64  # both remaining requests hit 4 blocks
+    assert engine.scheduler.block_pool.is_whole()

@@ -52,8 +52,9 @@ def _spec(model, k=3, **kwargs) -> LLM:
                **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"max_num_batched_tokens": 16, "kv_cache_memory": 14 * 2 * BLOCK_BYTES}],
-                         ids=["default", "chunked_and_preempted"])
+@pytest.mark.parametrize("kwargs", [{}, {"max_num_batched_tokens": 16, "kv_cache_memory": 14 * 2 * BLOCK_BYTES,
+                                         "async_scheduling": False}],
+                         ids=["async", "serial_chunked_and_preempted"])
 def test_self_drafting_accepts_every_draft(converted_default_model, without_drafts, kwargs):
     llm = _spec(converted_default_model, **kwargs)
     assert llm.engine.runner.drafter is not None and llm.engine.proposer is None
