@@ -142,6 +142,11 @@ class SpeculativeConfig:
       checkpoint (or `model`).
 
     Model-based drafters keep their KV cache in the target's blocks (same block ids).
+    `draft_sampling` "greedy" (the default, as vLLM's Eagle) drafts the drafter's argmax:
+    greedy and seeded outputs stay token for token those without drafts. "probabilistic"
+    draws a random request's drafts from the drafter's distribution and verifies them with
+    the probabilistic rejection sampler: more accepted drafts at high temperatures, the same
+    output distribution, but not the same draws.
     """
 
     method: str = "ngram"
@@ -149,6 +154,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: str | None = None
+    draft_sampling: str = "greedy"
 
     METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
     MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
@@ -168,6 +174,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config method {self.method!r} needs a 'model' (a checkpoint folder)")
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config method 'ngram' takes no 'model'")
+        if self.draft_sampling not in ("greedy", "probabilistic"):
+            raise ValueError(f"speculative_config draft_sampling must be 'greedy' or 'probabilistic', "
+                             f"got {self.draft_sampling!r}")
+        if self.draft_sampling == "probabilistic" and not self.uses_model:
+            raise ValueError("speculative_config draft_sampling 'probabilistic' needs a model-based method "
+                             "(n-gram drafts are single tokens)")
 
     @property
     def uses_model(self) -> bool:

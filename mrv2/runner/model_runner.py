@@ -37,13 +37,14 @@ from mrv2.runner.kv_cache import KVCache, allocate_kv_cache
 from mrv2.runner.prompt_logprobs import PromptLogprobsPlan, plan_prompt_logprobs, score_prompt
 from mrv2.runner.states import RequestStates
 from mrv2.runner.timing import StepTiming
-from mrv2.sample.draft_verify import verify_drafts
+from mrv2.sample.draft_verify import verify_drafts, verify_drafts_with_probs
 from mrv2.sample.logprobs import LogprobsTensors, compute_logprobs
 from mrv2.sample.metadata import SamplingFlags
 from mrv2.sample.sampler import Sampler
 from mrv2.sample.states import SamplingStates
 from mrv2.spec_decode.draft_models import build_drafter
 from mrv2.spec_decode.drafter import Drafter, DraftStep
+from mrv2.sampling_params import is_greedy
 from mrv2.staged_writes import StagedWrite, apply_writes
 
 logger = logging.getLogger("mrv2")
@@ -106,7 +107,8 @@ class ModelRunner:
             if self.drafter is not None:  # the drafter's decode passes, on the same graph machinery
                 self.drafter.graphs = DraftGraphs(graph_config, platform.graph_backend, self.drafter.head,
                                                   self.attn_backend, self.drafter.buffers, self.max_num_reqs,
-                                                  self.max_model_len, self.block_size, self.graphs.pool)
+                                                  self.max_model_len, self.block_size, self.graphs.pool,
+                                                  greedy=not self.drafter.probabilistic)
         self.kv_cache: KVCache | None = None
         self._pending: _PendingStep | None = None
         self.timing = StepTiming()
@@ -284,14 +286,25 @@ class ModelRunner:
                 # From the raw logits: the sampler masks them in place.
                 raw_logprobs = logits.log_softmax(dim=-1) if num_logprobs is not None else None
                 metadata = self.sampling.metadata(pending.flags, slots, positions, self.states.token_ids)
-                sampled = self.sampler(logits, metadata)
-                logprobs = None if raw_logprobs is None else \
-                    host_logprobs.start(compute_logprobs(raw_logprobs, sampled, num_logprobs), event)
+                draft_probs = self.drafter.draft_probs if self.drafter is not None and batch.max_drafts else None
+                sampled, probs = self.sampler.sample(logits, metadata, with_probs=draft_probs is not None)
                 if not batch.max_drafts and self.drafter is None:
+                    logprobs = None if raw_logprobs is None else \
+                        host_logprobs.start(compute_logprobs(raw_logprobs, sampled, num_logprobs), event)
                     self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, sampled)
                     return HostCopy.start(sampled, host, event), logprobs, prompt
-                tokens, num_emitted = verify_drafts(sampled, batch.input_ids, batch.logits_indices,
-                                                    batch.logits_start, batch.num_drafts, batch.max_drafts)
+                if probs is None:
+                    tokens, num_emitted = verify_drafts(sampled, batch.input_ids, batch.logits_indices,
+                                                        batch.logits_start, batch.num_drafts, batch.max_drafts)
+                else:
+                    idx = batch.idx_mapping
+                    tokens, num_emitted = verify_drafts_with_probs(
+                        sampled, probs, draft_probs[idx], batch.input_ids, batch.logits_indices, batch.logits_start,
+                        batch.num_drafts, batch.max_drafts, ~is_greedy(self.sampling.temperature[idx]),
+                        self.sampling.seeds[idx], self.states.num_tokens[idx])
+                # Logprobs of the emitted tokens (a logits row's token: its request's token at that offset).
+                logprobs = None if raw_logprobs is None else host_logprobs.start(compute_logprobs(
+                    raw_logprobs, tokens[batch.logits_rows, batch.logits_offsets], num_logprobs), event)
                 emitted = self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, tokens, num_emitted,
                                                          batch.num_drafts)
                 if self.drafter is not None:  # the next step reads them from the history, as its input
@@ -326,7 +339,8 @@ class ModelRunner:
             features=features, slots=batch.idx_mapping, last_rows=batch.logits_indices[last], emitted=emitted,
             block_table=batch.attn.block_table[:batch.idx_mapping.shape[0]],
             seq_lens_cpu=batch.attn.seq_lens_cpu[:batch.idx_mapping.shape[0]],
-            token_ids=self.states.token_ids, num_tokens=self.states.num_tokens)
+            token_ids=self.states.token_ids, num_tokens=self.states.num_tokens,
+            temperature=self.sampling.temperature[batch.idx_mapping], seeds=self.sampling.seeds[batch.idx_mapping])
 
     def _launch(self, work: Callable[[], T]) -> Pending[T]:
         if not self.queue.synchronous:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from mrv2.sample.rejection_sampler import rejection_sample
+
 
 def verify_drafts(sampled: torch.Tensor, input_ids: torch.Tensor, logits_indices: torch.Tensor,
                   logits_start: torch.Tensor, num_drafts: torch.Tensor, max_drafts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,3 +35,24 @@ def verify_drafts(sampled: torch.Tensor, input_ids: torch.Tensor, logits_indices
     match = (tokens[:, :max_drafts] == drafts) & (cols[None, :max_drafts] < num_drafts[:, None])
     num_emitted = 1 + match.int().cumprod(dim=1).sum(dim=1)
     return tokens, num_emitted
+
+
+def verify_drafts_with_probs(sampled: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                             input_ids: torch.Tensor, logits_indices: torch.Tensor, logits_start: torch.Tensor,
+                             num_drafts: torch.Tensor, max_drafts: int, random_rows: torch.Tensor,
+                             seeds: torch.Tensor, first_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `verify_drafts`, but random rows whose drafts were drawn from distributions go through the
+    probabilistic rejection sampler (`rejection_sampler.rejection_sample`).
+
+    target_probs [logits rows, V]: the target's filtered distributions; draft_probs [B, >= max_drafts, V]:
+    the drafter's, per draft; random_rows [B]: rows sampled at random; first_positions [B]: the token
+    position of each row's first draft. Greedy rows and rows without drafts keep `verify_drafts`.
+    """
+    tokens, num_emitted = verify_drafts(sampled, input_ids, logits_indices, logits_start, num_drafts, max_drafts)
+    cols = torch.arange(max_drafts + 1, device=sampled.device)
+    rows = logits_start[:, None] + torch.minimum(cols[None, :], num_drafts[:, None])
+    draft_ids = input_ids[(logits_indices[rows[:, :max_drafts]] + 1).clamp(max=input_ids.shape[0] - 1)]
+    drawn, drawn_emitted = rejection_sample(target_probs[rows], draft_probs[:, :max_drafts], draft_ids, num_drafts,
+                                            seeds, first_positions)
+    use = random_rows & (num_drafts > 0)
+    return torch.where(use[:, None], drawn, tokens), torch.where(use, drawn_emitted, num_emitted)

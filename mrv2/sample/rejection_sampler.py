@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from mrv2.sample.gumbel import gumbel_noise, uniform
+from mrv2.sampling_params import GREEDY_EPS, is_greedy
 
 _ACCEPT_SALT = 0x5BD1E995  # keys the acceptance uniforms apart from the same position's categorical noise
 
@@ -63,3 +64,18 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     last = torch.where(rejected, recovered.gather(1, at.clamp(max=k - 1)[:, None])[:, 0], bonus)
     tokens.scatter_(1, at[:, None], last[:, None])
     return tokens, num_accepted + 1
+
+
+_DRAFT_SALT = 0x2545F491  # keys a drafter's draws apart from the target's at the same position
+
+
+def draw_drafts(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafter's tokens for the probabilistic rejection sampler: (ids [B], q [B, V]).
+
+    Random rows draw from q = softmax(logits / temperature), seeded by (seed, position) apart
+    from the target's draws; greedy rows take the argmax (their q is never read).
+    """
+    q = (logits / temperature.clamp(min=GREEDY_EPS)[:, None]).softmax(dim=-1)
+    drawn = _draw(q, seeds.long() ^ _DRAFT_SALT, positions.long())
+    return torch.where(is_greedy(temperature), logits.argmax(dim=-1), drawn), q

@@ -115,6 +115,12 @@ class Sampler:
         self.chunk_elems = chunk_elems
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        return self.sample(logits, metadata)[0]
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
+               with_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(token ids, and with `with_probs` the distributions random rows draw from [B, V]: every
+        filter applied, as the probabilistic rejection sampler needs them; None when all rows are greedy)."""
         md = metadata
         # On the raw logits, greedy rows included.
         if md.allowed_tokens is not None:
@@ -128,11 +134,12 @@ class Sampler:
         if md.penalties is not None:
             apply_penalties(logits, md.penalties, md.positions)
         if md.all_greedy:
-            return greedy_argmax(logits)
+            return greedy_argmax(logits), None
         # Greedy rows go through the random path too (their draws are discarded), so
         # clamp their temperature to keep the division finite.
         temperature = md.temperature.clamp(min=GREEDY_EPS)
-        if md.no_min_p and md.no_top_k and md.no_top_p:
+        probs = None
+        if md.no_min_p and md.no_top_k and md.no_top_p and not with_probs:
             sampled = gumbel_sample(logits, md.seeds, md.positions, temperature, self.chunk_elems)
         else:
             scaled = logits / temperature[:, None]
@@ -141,7 +148,9 @@ class Sampler:
             if not (md.no_top_k and md.no_top_p):
                 top_p = None if md.no_top_p else md.top_p
                 apply_top_k_top_p(scaled, md.top_k, top_p, md.max_top_k)
+            if with_probs:
+                probs = scaled.softmax(dim=-1)
             sampled = gumbel_sample(scaled, md.seeds, md.positions, chunk_elems=self.chunk_elems)
         if md.all_random:
-            return sampled
-        return torch.where(is_greedy(md.temperature), greedy_argmax(logits), sampled)
+            return sampled, probs
+        return torch.where(is_greedy(md.temperature), greedy_argmax(logits), sampled), probs

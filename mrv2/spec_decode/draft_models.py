@@ -95,4 +95,5 @@ def build_drafter(spec: SpeculativeConfig, target: CausalLM, target_hf_config: A
         target.keep_aux_hidden(head.aux_layer_ids, max_num_tokens)
     return Drafter(head, spec.num_speculative_tokens, shifted=method != "draft_model", backend=backend,
                    max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, dtype=dtype,
-                   device=device)
+                   device=device, probabilistic=spec.draft_sampling == "probabilistic",
+                   vocab_size=target_hf_config.vocab_size)

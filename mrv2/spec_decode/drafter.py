@@ -20,8 +20,12 @@ token, where the next step's gather reads a verify step's inputs: the scheduler 
 schedules k placeholders, so the host never needs the ids, and with async scheduling
 the next step is launched before this one's tokens are known.
 
-Drafting is greedy (argmax of the drafter's logits): verification then is exact for
-greedy and random requests alike (see `mrv2.sample.draft_verify`). Everything here is
+Drafting is greedy by default (argmax of the drafter's logits): verification then keeps
+greedy and seeded outputs identical to the output without drafts (see
+`mrv2.sample.draft_verify`). With `probabilistic` drafting, random requests draw their
+drafts from the drafter's temperature-scaled distribution q, kept per slot for the
+probabilistic rejection sampler: more drafts are accepted at high temperatures, and the
+output is distributed as the target's (not draw for draw the same). Everything here is
 device work with host-known shapes: no host sync.
 """
 
@@ -35,6 +39,7 @@ import torch
 
 from mrv2.attention.backend import AttentionBackend, CommonAttentionMetadata
 from mrv2.models.draft_head import DraftHead
+from mrv2.sample.rejection_sampler import draw_drafts
 
 
 @dataclass
@@ -53,6 +58,8 @@ class DraftStep:
     seq_lens_cpu: np.ndarray  # [B] host upper bounds of the sequence lengths the step computed
     token_ids: torch.Tensor  # the slots' token history, after the post-update
     num_tokens: torch.Tensor  # the slots' token counts, after the post-update
+    temperature: torch.Tensor  # [B] each request's sampling temperature (probabilistic drafting)
+    seeds: torch.Tensor  # [B] each request's seed (probabilistic drafting)
 
 
 class DraftBuffers:
@@ -78,15 +85,17 @@ class DraftBuffers:
             buf[num_reqs:padded].zero_()
 
 
-def decode_forward(head: DraftHead, buffers: DraftBuffers, num_reqs: int,
-                   attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One draft pass over the buffers' first `num_reqs` rows: (greedy draft ids, the head's next features).
+def decode_forward(head: DraftHead, buffers: DraftBuffers, num_reqs: int, attn_metadata: Any,
+                   greedy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft pass over the buffers' first `num_reqs` rows: (greedy draft ids, or with `greedy`
+    False the logits, and the head's next features).
 
-    The whole pass, LM head and argmax included, so a captured graph holds all of it.
+    The whole pass, LM head (and argmax) included, so a captured graph holds all of it.
     """
     features = buffers.features[:num_reqs] if buffers.uses_features else None
     hidden, features = head(buffers.input_ids[:num_reqs], buffers.positions[:num_reqs], features, attn_metadata)
-    return head.compute_logits(hidden).argmax(dim=-1), features
+    logits = head.compute_logits(hidden)
+    return (logits.argmax(dim=-1) if greedy else logits), features
 
 
 class DecodePassGraphs(Protocol):
@@ -99,8 +108,12 @@ class Drafter:
     """Proposes `k` greedy draft tokens per request with a draft model or head (see the module docstring)."""
 
     def __init__(self, head: DraftHead, k: int, shifted: bool, backend: AttentionBackend, max_num_reqs: int,
-                 max_model_len: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_model_len: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 probabilistic: bool = False, vocab_size: int = 0) -> None:
         self.head, self.k, self.shifted, self.backend = head, k, shifted, backend
+        self.probabilistic = probabilistic
+        # Per slot and draft: the distribution a random request's draft was drawn from.
+        self.draft_probs = torch.zeros(max_num_reqs, k, vocab_size, device=device) if probabilistic else None
         self.max_model_len, self.block_size = max_model_len, block_size
         self.buffers = DraftBuffers(max_num_reqs, -(-max_model_len // block_size), head.next_feature_size, dtype,
                                     device)
@@ -121,19 +134,25 @@ class Drafter:
         self.buffers.block_table[:b, :s.block_table.shape[1]].copy_(s.block_table)
         drafts = []
         if self.shifted:
-            token = self._greedy(hidden[s.last_rows])
+            token = self._choose(self.head.compute_logits(hidden[s.last_rows]), s, last_pos, 0)
             features = features[s.last_rows]
             drafts.append(token)
         else:
             token = s.token_ids[s.slots, last_pos]
             features = None
         for j in range(self.k - len(drafts)):
-            token, features = self._decode_pass(s, token, last_pos + j, features, j)
+            out, features = self._decode_pass(s, token, last_pos + j, features, j)
+            token = out if not self.probabilistic else self._choose(out, s, last_pos, len(drafts))
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 
-    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head.compute_logits(hidden).argmax(dim=-1)
+    def _choose(self, logits: torch.Tensor, s: DraftStep, last_pos: torch.Tensor, j: int) -> torch.Tensor:
+        """Draft j of every row from its logits: the argmax, or a draw kept with its distribution."""
+        if not self.probabilistic:
+            return logits.argmax(dim=-1)
+        token, q = draw_drafts(logits, s.temperature, s.seeds, last_pos + 1 + j)
+        self.draft_probs[s.slots, j] = q
+        return token
 
     def _decode_pass(self, s: DraftStep, token: torch.Tensor, positions: torch.Tensor,
                      features: torch.Tensor | None, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -157,4 +176,4 @@ class Drafter:
             query_start_loc=buf.query_start_loc[:b + 1], seq_lens=buf.seq_lens[:b], block_table=buf.block_table[:b],
             slot_mapping=buf.slot_mapping[:b], query_start_loc_cpu=np.arange(b + 1), seq_lens_cpu=seq_lens_cpu,
             block_size=bs)
-        return decode_forward(self.head, buf, b, self.backend.build_metadata(common))
+        return decode_forward(self.head, buf, b, self.backend.build_metadata(common), not self.probabilistic)

@@ -190,3 +190,42 @@ def test_self_drafting_through_prefix_hits_and_aborts(llama_target):
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     assert engine.scheduler.kv_cache_manager.num_hit_tokens >= 2 * 64  # both remaining requests hit 4 blocks
     assert engine.scheduler.block_pool.is_whole()
+
+
+def test_probabilistic_drafting_verifies_with_the_rejection_sampler(llama_target):
+    """The target drafting for itself with drafts drawn from its own distribution: q equals p, so the
+    rejection sampler accepts (all but numerically) every draft, where argmax drafts of a random request
+    are mostly rejected; seeded requests repeat alone and in a batch; greedy ones keep the plain output."""
+    def spec(draft_sampling):
+        return LLM(model=str(llama_target), dtype="float32", max_model_len=256, kv_cache_memory=1 << 22,
+                   speculative_config={"method": "draft_model", "model": str(llama_target),
+                                       "num_speculative_tokens": 3, "draft_sampling": draft_sampling})
+
+    hot = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)
+    rates = {}
+    for mode in ("greedy", "probabilistic"):
+        llm = spec(mode)
+        batch = [o.outputs[0].token_ids for o in llm.generate(_prompts(), hot, use_tqdm=False)]
+        rates[mode] = llm.engine.scheduler.spec_stats.acceptance_rate
+    assert rates["probabilistic"] > 0.99 and rates["greedy"] < 0.5
+    alone = [llm.generate([p], hot, use_tqdm=False)[0].outputs[0].token_ids for p in _prompts()]
+    assert alone == batch  # (seed, position) keyed draws: the batch does not matter
+    plain = LLM(model=str(llama_target), dtype="float32", max_model_len=256, kv_cache_memory=1 << 22)
+    assert _outputs(llm, GREEDY) == _outputs(plain, GREEDY)
+    assert llm.engine.scheduler.block_pool.is_whole()
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "probabilistic"])
+def test_logprobs_are_the_targets(llama_target, draft_sampling):
+    """Each emitted token's logprobs (and top alternatives) are the target's, whichever draft produced it."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    plain = LLM(model=str(llama_target), dtype="float32", max_model_len=256, kv_cache_memory=1 << 22)
+    spec = LLM(model=str(llama_target), dtype="float32", max_model_len=256, kv_cache_memory=1 << 22,
+               speculative_config={"method": "draft_model", "model": str(llama_target), "num_speculative_tokens": 3,
+                                   "draft_sampling": draft_sampling})
+    for a, b in zip(spec.generate(_prompts(), params, use_tqdm=False), plain.generate(_prompts(), params,
+                                                                                     use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert ea.keys() == eb.keys() and all(abs(ea[t].logprob - eb[t].logprob) < 1e-4 for t in ea)
+    assert spec.engine.scheduler.spec_stats.num_accepted_tokens > 0

@@ -34,9 +34,10 @@ class DraftGraphs:
 
     def __init__(self, config: GraphConfig, graph_backend: Callable[[GraphConfig], GraphBackend], head: DraftHead,
                  attn_backend: AttentionBackend, buffers: DraftBuffers, max_num_reqs: int, max_model_len: int,
-                 block_size: int, pool: Any = None) -> None:
+                 block_size: int, pool: Any = None, greedy: bool = True) -> None:
         cfg = replace(config, mode=GraphMode.FULL, decode_query_len=1, compile=None)
         self.head, self.attn_backend, self.buffers, self.block_size = head, attn_backend, buffers, block_size
+        self.greedy = greedy  # False: the passes return logits (probabilistic drafting draws outside)
         self.dispatcher = GraphDispatcher(cfg, max_num_reqs, max_num_reqs, decode_query_len=1,
                                           key_lengths=cfg.key_lengths(max_model_len, block_size))
         self.manager = GraphManager(graph_backend(cfg), GraphInputs.of(buffers, _GRAPH_INPUTS), self._static_metadata,
@@ -51,8 +52,9 @@ class DraftGraphs:
         """Replay the pass for the buffers' first `num_reqs` rows (rows past them padded here), or None
         when no captured graph fits (the drafter then runs the pass eagerly).
 
-        The draft ids are copied out (the graph's output is overwritten by the next pass); the
-        features stay a view of the output, which the drafter copies into its buffers before then.
+        The draft ids (or logits) are copied out (the graph's output is overwritten by the next
+        pass); the features stay a view of the output, which the drafter copies into its buffers
+        before then.
         """
         desc = self.dispatcher.dispatch(num_reqs, num_reqs, 1, max_seq_len)
         if desc.mode is GraphMode.NONE or not self.manager.has(desc):
@@ -72,4 +74,5 @@ class DraftGraphs:
 
     def _forward(self, desc: BatchDescriptor, common: CommonAttentionMetadata) -> Any:
         # Metadata is built inside the captured callable: a replay recomputes it from the buffers.
-        return decode_forward(self.head, self.buffers, desc.num_reqs, self.attn_backend.build_metadata(common))
+        return decode_forward(self.head, self.buffers, desc.num_reqs, self.attn_backend.build_metadata(common),
+                              self.greedy)
