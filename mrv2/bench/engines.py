@@ -77,7 +77,7 @@ class LocalEngine(BenchEngine):
         seconds = time.perf_counter() - t0
         return TimedRun(seconds, timing.wait_share(seconds), [o.outputs[0].token_ids for o in outputs],
                         spec=self.llm.engine.scheduler.spec_stats.minus(spec_before)
-                        if self.llm.engine.proposer is not None else None)
+                        if self.llm.engine.config.speculative is not None else None)
 
     def timed_stream(self, prompts: list[list[int]], params: Any, cold_cache: bool = True) -> TimedRun:
         from mrv2.sampling_params import RequestOutputKind

@@ -9,13 +9,21 @@ batch B: B prompts at once), greedy, `--output-len` tokens (`ignore_eos`). Every
 runs in a spawned process of its own; they take turns `--repeat` times and the medians,
 pair-by-pair ratios of output tok/s, acceptance rates and mean accepted lengths, and
 how many greedy outputs equal the run without speculation are reported.
+
+Model-based methods take `--draft-model`; without one, "draft_model" drafts with a copy
+of the target cut to its first `--draft-layers` layers (no small model shares the
+default model's tokenizer here), which shows the method's cost and acceptance, not a
+trained drafter's. Eagle / Eagle-3 need a trained head (`--draft-model`); "mtp" needs a
+checkpoint with MTP layers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import tempfile
 from pathlib import Path
 
 OPEN_TASKS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle stays upright.",
@@ -27,6 +35,9 @@ OPEN_TASKS = ["Write a short story about a lighthouse keeper.", "Explain how a b
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="ngram", help="comma-separated methods to compare with no speculation")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--draft-model", default=None, help="the drafter of draft_model / eagle / eagle3")
+    p.add_argument("--draft-layers", type=int, default=6,
+                   help="without --draft-model, draft_model drafts with the target's first N layers")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--passage-len", type=int, default=120, help="tokens of text in a grounded prompt")
@@ -73,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
                          "--passage-len must be positive")
     text = Path(args.text).read_text() if args.text else _default_text()
     kwargs = engine_kwargs(args) | {"speculative_config": None}
-    configs = {"off": kwargs} | {m: kwargs | {"speculative_config": {"method": m, "num_speculative_tokens":
-                                                                     args.num_speculative_tokens}}
+    scratch = tempfile.TemporaryDirectory(prefix="mrv2-bench-spec-")
+    configs = {"off": kwargs} | {m: kwargs | {"speculative_config": _speculative_config(m, args, kwargs, scratch.name)}
                                  for m in methods}
     engines = {}
     try:
@@ -98,9 +109,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for engine in engines.values():
             engine.close()
+        scratch.cleanup()
     print(f"{args.output_len} output tokens per request, greedy, {info.dtype}, {info.threads} threads, "
           f"k = {args.num_speculative_tokens}, median of {args.repeat} (batch 1: 4 prompts in turn)")
-    print(f"{'workload':14s} {'engine':6s} {'tok/s':>8s} {'vs off':>7s}  {'pairs':18s} {'accept':>6s} "
+    print(f"{'workload':14s} {'engine':11s} {'tok/s':>8s} {'vs off':>7s}  {'pairs':18s} {'accept':>6s} "
           f"{'mean len':>8s}  identical")
     for key, r in results.items():
         for name, m in r.items():
@@ -108,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             pairs = "" if name == "off" else ", ".join(f"{p:.2f}" for p in m["ratio_pairs"])
             accept = "" if m["acceptance_rate"] is None else f"{100 * m['acceptance_rate']:5.1f}%"
             length = "" if m["mean_acceptance_length"] is None else f"{m['mean_acceptance_length']:8.2f}"
-            print(f"{key:14s} {name:6s} {m['tok_s_median']:8.1f} {ratio:>7s}  {pairs:18s} {accept:>6s} "
+            print(f"{key:14s} {name:11s} {m['tok_s_median']:8.1f} {ratio:>7s}  {pairs:18s} {accept:>6s} "
                   f"{length:>8s}  {m['identical']}")
     if args.json:
         with open(args.json, "w") as f:
@@ -116,6 +128,42 @@ def run(args: argparse.Namespace) -> int:
                                  "num_speculative_tokens": args.num_speculative_tokens}, "results": results},
                       f, indent=2)
     return 0
+
+
+def _speculative_config(method: str, args: argparse.Namespace, kwargs: dict, scratch: str) -> dict:
+    config = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
+    if method in ("draft_model", "eagle", "eagle3"):
+        if args.draft_model is not None:
+            config["model"] = args.draft_model
+        elif method == "draft_model":
+            from mrv2.loader.resolve import resolve_model_path
+
+            config["model"] = str(truncated_copy(resolve_model_path(kwargs.get("model")), args.draft_layers,
+                                                 Path(scratch) / "draft"))
+        else:
+            raise ValueError(f"--methods {method} needs --draft-model (a trained {method} head)")
+    return config
+
+
+def truncated_copy(source: Path, num_layers: int, dest: Path) -> Path:
+    """A checkpoint of `source`'s first `num_layers` decoder layers (embedding, norm, LM head and tokenizer kept)."""
+    from safetensors.torch import save_file
+
+    from mrv2.loader.safetensors_weights import iter_safetensors_weights
+
+    config = json.loads((source / "config.json").read_text())
+    if not 1 <= num_layers <= config["num_hidden_layers"]:
+        raise ValueError(f"--draft-layers must be in 1..{config['num_hidden_layers']}, got {num_layers}")
+    dest.mkdir(parents=True, exist_ok=True)
+    config["num_hidden_layers"] = num_layers
+    (dest / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, dest / name)
+    keep = {n: t.contiguous() for n, t in iter_safetensors_weights(source)
+            if not n.startswith("model.layers.") or int(n.split(".")[2]) < num_layers}
+    save_file(keep, str(dest / "model.safetensors"))
+    return dest
 
 
 def _summarize(runs: dict[str, list]) -> dict:

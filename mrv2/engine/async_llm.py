@@ -208,7 +208,7 @@ class AsyncLLM:
         kv = scheduler.kv_cache_manager
         sched = SchedulerStats(len(scheduler.running), len(scheduler.waiting), scheduler.block_pool.usage,
                                scheduler.num_preemptions, kv.num_queried_tokens, kv.num_hit_tokens,
-                               scheduler.spec_stats.snapshot() if self.engine.proposer is not None else None)
+                               scheduler.spec_stats.snapshot() if self.engine.config.speculative is not None else None)
         for stat_logger in self.stat_loggers:
             stat_logger.record(sched, iteration)
 
