@@ -5,7 +5,10 @@ random-weight checkpoints locally (a tiny Llama, tiny DeepSeek-V2/V3, and a Llam
 SmolLM2-135M's exact shapes: the real weights cannot travel to a lent machine), then for
 each, eager, with FULL decode graphs, PIECEWISE graphs and both: greedy tokens from mrv2
 vs transformers, fp32; and decode step times of each at batch 1, 8 and 64 for the
-SmolLM2-shaped model. An engine that fails to build or run is reported and counted, and
+SmolLM2-shaped model. For the tiny Llama, speculative decoding with the model drafting
+for itself (draft_model, k = 3) in each mode: transformers' tokens, every greedy draft
+accepted (a replayed drafter graph that drafts wrong shows as a rejection), and the
+drafter's graph replays. An engine that fails to build or run is reported and counted, and
 the check goes on. Needs only torch, transformers, safetensors and numpy; the tokenizer
 files come from `--tokenizer DIR`.
 """
@@ -61,6 +64,31 @@ def hf_greedy(model, prompt, n, device):
     return out[0, len(prompt):].tolist()
 
 
+def check_speculation(folder: Path, device: str, prompts: list[list[int]], refs: list[list[int]]) -> int:
+    """Self-drafting in every graph mode; returns the number of failures."""
+    failures = 0
+    for name, kw in MODES.items():
+        try:
+            llm = LLM(model=str(folder), device=device, dtype="float32", max_model_len=512, max_num_seqs=64,
+                      kv_cache_memory=2 << 30, speculative_config={"method": "draft_model", "model": str(folder),
+                                                                   "num_speculative_tokens": 3}, **kw)
+            outs = llm.generate([{"prompt_token_ids": q} for q in prompts],
+                                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        except Exception as e:
+            print(f"{'spec llama':15s} {name:9s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            failures += 1
+            continue
+        same = sum(o.outputs[0].token_ids == r for o, r in zip(outs, refs))
+        stats = llm.engine.scheduler.spec_stats
+        drafter_graphs = llm.engine.runner.drafter.graphs
+        replays = drafter_graphs.replays if drafter_graphs is not None else 0
+        ok = same == len(prompts) and stats.num_accepted_tokens == stats.num_draft_tokens > 0
+        failures += not ok
+        print(f"{'spec llama':15s} {name:9s} greedy tokens equal to transformers: {same}/{len(prompts)}; drafts "
+              f"accepted {stats.num_accepted_tokens}/{stats.num_draft_tokens}; drafter graph replays: {replays}")
+    return failures
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda")
@@ -98,6 +126,8 @@ def main() -> int:
             failures += same != len(prompts) or not whole
             print(f"{kind:15s} {name:9s} greedy tokens equal to transformers: {same}/{len(prompts)}; "
                   f"block pool whole: {whole}; graph replays: {replays}")
+        if kind == "llama":
+            failures += check_speculation(folder, args.device, prompts, refs)
         if kind == "smollm2-shaped" and "eager" in engines:
             for batch in (1, 8, 64):
                 try:

@@ -99,3 +99,8 @@ class Linear(nn.Module):
     def quantized_dense_bytes(self) -> int:
         """Bytes a dense copy of the loaded quantized shards takes."""
         return sum(p.shape.numel() * self.weight.element_size() for p in self._quantized if p is not None)
+
+
+def pack_linears(module: nn.Module, rows_hint: int) -> int:
+    """Prepack every packable dense `Linear` inside `module` for oneDNN (see `Linear.pack`); how many were."""
+    return sum(m.pack(rows_hint) for m in module.modules() if isinstance(m, Linear))

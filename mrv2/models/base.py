@@ -25,7 +25,7 @@ from mrv2.config import QuantPolicy
 from mrv2.kv_spec import KVCacheSpec
 from mrv2.layers.batch_invariant import ROW_TILE, tiled_linear
 from mrv2.layers.embedding import VocabEmbedding
-from mrv2.layers.linear import Linear
+from mrv2.layers.linear import Linear, pack_linears
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.packed import pack_weight, packed_linear, packing_available
 from mrv2.layers.quantization import Int4Matmul, QuantizedWeight, int4_kernel_supports
@@ -239,7 +239,7 @@ class CausalLM(nn.Module):
         """
         if not packing_available():
             return 0
-        packed = sum(m.pack(rows_hint) for m in self.modules() if isinstance(m, Linear))
+        packed = pack_linears(self, rows_hint)
         if self.lm_head_weight is not None and self.lm_head_weight.dtype == torch.bfloat16:
             self.lm_head_packed = pack_weight(self.lm_head_weight, rows_hint)
             if not self.config.tie_word_embeddings:

@@ -31,7 +31,7 @@ from torch import nn
 from mrv2.attention.torch_mla import TorchMLAAttention
 from mrv2.kv_spec import KVCacheSpec, KVPart
 from mrv2.layers.embedding import VocabEmbedding
-from mrv2.layers.linear import Linear
+from mrv2.layers.linear import Linear, pack_linears
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.moe import FusedMoE
 from mrv2.layers.norm import RMSNorm
@@ -148,6 +148,9 @@ class DeepseekMTPHead(nn.Module):
         c = self.config
         return [KVCacheSpec((KVPart("latent", 1, c.kv_lora_rank), KVPart("rope", 1, c.qk_rope_head_dim)),
                             self.dtype)]
+
+    def pack_linear_weights(self, rows_hint: int) -> int:
+        return pack_linears(self, rows_hint)  # the target's shared modules are not submodules: not repacked
 
     def attention_layers(self) -> list[nn.Module]:
         return [self.mtp_block.self_attn]

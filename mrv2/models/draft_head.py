@@ -35,6 +35,9 @@ class DraftHead(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the head from its published checkpoint names; raise on unknown or missing ones."""
 
+    def pack_linear_weights(self, rows_hint: int) -> int:
+        """Prepack the head's own dense linear weights for oneDNN, as the target's; how many were."""
+
     def kv_cache_specs(self) -> list[KVCacheSpec]: ...
 
     def attention_layers(self) -> list[nn.Module]: ...

@@ -44,7 +44,7 @@ from torch import nn
 from mrv2.attention.backend import AttentionBackend
 from mrv2.kv_spec import KVCacheSpec
 from mrv2.layers.embedding import VocabEmbedding
-from mrv2.layers.linear import Linear
+from mrv2.layers.linear import Linear, pack_linears
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.rotary import RotaryEmbedding
@@ -104,6 +104,9 @@ class _EagleHead(nn.Module):
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         c = self.config
         return [KVCacheSpec.gqa(c.num_kv_heads, c.head_dim, c.head_dim, self.dtype)] * len(self.layers)
+
+    def pack_linear_weights(self, rows_hint: int) -> int:
+        return pack_linears(self, rows_hint)  # the target's shared modules are not submodules: not repacked
 
     def attention_layers(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.layers]

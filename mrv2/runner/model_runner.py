@@ -73,15 +73,6 @@ class ModelRunner:
         self.model.load_weights(weights)
         if quant_policy is not None and (placed := self.model.finalize_quantization(quant_policy)):
             logger.info("Quantized weights: %s", placed)
-        graph_config = config.graph_config(platform.default_graph_config())
-        graphs_on = not config.enforce_eager and graph_config.mode is not GraphMode.NONE
-        if batch_invariant:
-            self.model.make_batch_invariant()
-        elif (rows := platform.linear_pack_rows(dtype, graph_config if graphs_on else None)) is not None:
-            if packed := self.model.pack_linear_weights(rows):
-                logger.info("Dense weights of %d linear layers prepacked for oneDNN (batches of ~%d rows)",
-                            packed, rows)
-        self.model.eval()
         spec = config.speculative
         self.drafter: Drafter | None = None
         if spec is not None and spec.uses_model:
@@ -90,6 +81,17 @@ class ModelRunner:
                                          self.block_size, self.device)
             logger.info("Speculative decoding: %s drafts %d tokens per step on the device", spec.method,
                         spec.num_speculative_tokens)
+        graph_config = config.graph_config(platform.default_graph_config())
+        graphs_on = not config.enforce_eager and graph_config.mode is not GraphMode.NONE
+        if batch_invariant:
+            self.model.make_batch_invariant()
+        elif (rows := platform.linear_pack_rows(dtype, graph_config if graphs_on else None)) is not None:
+            packed = self.model.pack_linear_weights(rows)
+            packed += self.drafter.head.pack_linear_weights(rows) if self.drafter else 0
+            if packed:
+                logger.info("Dense weights of %d linear layers prepacked for oneDNN (batches of ~%d rows)",
+                            packed, rows)
+        self.model.eval()
 
         max_blocks = -(-self.max_model_len // self.block_size)
         self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device, pin,
@@ -286,22 +288,14 @@ class ModelRunner:
                 # From the raw logits: the sampler masks them in place.
                 raw_logprobs = logits.log_softmax(dim=-1) if num_logprobs is not None else None
                 metadata = self.sampling.metadata(pending.flags, slots, positions, self.states.token_ids)
-                draft_probs = self.drafter.draft_probs if self.drafter is not None and batch.max_drafts else None
-                sampled, probs = self.sampler.sample(logits, metadata, with_probs=draft_probs is not None)
+                with_probs = batch.max_drafts > 0 and self.drafter is not None and self.drafter.probabilistic
+                sampled, probs = self.sampler.sample(logits, metadata, with_probs=with_probs)
                 if not batch.max_drafts and self.drafter is None:
                     logprobs = None if raw_logprobs is None else \
                         host_logprobs.start(compute_logprobs(raw_logprobs, sampled, num_logprobs), event)
                     self.states.post_update_device(batch.idx_mapping, batch.num_scheduled, sampled)
                     return HostCopy.start(sampled, host, event), logprobs, prompt
-                if probs is None:
-                    tokens, num_emitted = verify_drafts(sampled, batch.input_ids, batch.logits_indices,
-                                                        batch.logits_start, batch.num_drafts, batch.max_drafts)
-                else:
-                    idx = batch.idx_mapping
-                    tokens, num_emitted = verify_drafts_with_probs(
-                        sampled, probs, draft_probs[idx], batch.input_ids, batch.logits_indices, batch.logits_start,
-                        batch.num_drafts, batch.max_drafts, ~is_greedy(self.sampling.temperature[idx]),
-                        self.sampling.seeds[idx], self.states.num_tokens[idx])
+                tokens, num_emitted = self._verify(batch, sampled, probs)
                 # Logprobs of the emitted tokens (a logits row's token: its request's token at that offset).
                 logprobs = None if raw_logprobs is None else host_logprobs.start(compute_logprobs(
                     raw_logprobs, tokens[batch.logits_rows, batch.logits_offsets], num_logprobs), event)
@@ -323,6 +317,20 @@ class ModelRunner:
         return AsyncRunnerOutput(plan.req_ids, self._launch(sample), self.timing,
                                  reject_drafts if plan.max_drafts or self.drafter else None, wanted,
                                  plan.num_drafts_cpu + 1, pending.scored.requests if pending.scored is not None else None)
+
+    def _verify(self, batch: StepBatch, sampled: torch.Tensor,
+                probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [B, 1 + max drafts], emitted counts [B]) of a step: drawing at every position and
+        comparing, or, given the target's distributions, the rejection sampler for random rows whose
+        drafts were drawn from the drafter's (device work)."""
+        if probs is None:
+            return verify_drafts(sampled, batch.input_ids, batch.logits_indices, batch.logits_start,
+                                 batch.num_drafts, batch.max_drafts)
+        idx = batch.idx_mapping
+        return verify_drafts_with_probs(sampled, probs, self.drafter.draft_probs[idx], batch.input_ids,
+                                        batch.logits_indices, batch.logits_start, batch.num_drafts, batch.max_drafts,
+                                        ~is_greedy(self.sampling.temperature[idx]), self.sampling.seeds[idx],
+                                        self.states.num_tokens[idx])
 
     def _draft_step(self, forward: _ForwardResult, num_emitted: torch.Tensor, emitted: torch.Tensor) -> DraftStep:
         """What the drafter reads of a finished step (device work, after the post-update)."""

@@ -36,6 +36,9 @@ class DraftModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model.load_weights(weights)
 
+    def pack_linear_weights(self, rows_hint: int) -> int:
+        return self.model.pack_linear_weights(rows_hint)
+
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return self.model.kv_cache_specs()
 

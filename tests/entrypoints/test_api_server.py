@@ -375,8 +375,12 @@ def test_no_key_server_and_sigterm_mid_stream_exits_cleanly():
     assert [p for p in alive if int(p) != os.getpid()] == []
 
 
-def test_speculative_decoding_serves_the_same_text_and_reports_acceptance(client):
-    s = Server("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_serves_the_same_text_and_reports_acceptance(client, converted_default_model, method):
+    config = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":  # the default model drafting for itself (its KV takes half the cache)
+        config["model"] = str(converted_default_model)
+    s = Server("--speculative-config", json.dumps(config))
     try:
         spec = openai.OpenAI(base_url=s.url + "/v1", api_key="anything", max_retries=0)
         prompt = "Copy this list: apples, pears, plums, apples, pears, plums, apples, pears, plums, apples,"
