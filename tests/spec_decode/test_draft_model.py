@@ -14,8 +14,8 @@ from mrv2.loader.safetensors_weights import iter_safetensors_weights
 
 PROMPTS = ["Copy this list exactly: apples, pears, plums, figs, dates, limes, apples, pears. Copy:",
            "The capital of France is", "def fibonacci(n):", "Write a short poem about the sea."]
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=32, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=24, ignore_eos=True)
 # One KV block of the default model in fp32 holds 16 tokens x 30 layers x 2 x 3 x 64 x 4 bytes.
 BLOCK_BYTES = 737280
 
@@ -25,9 +25,13 @@ def _tokens(llm: LLM, params: SamplingParams) -> list[list[list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def without_drafts():
-    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
-    return [_tokens(llm, p) for p in (GREEDY, SEEDED)]
+def plain():
+    return LLM(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
+
+
+@pytest.fixture(scope="module")
+def without_drafts(plain):
+    return [_tokens(plain, p) for p in (GREEDY, SEEDED)]
 
 
 @pytest.fixture(scope="module")
@@ -52,28 +56,21 @@ def _spec(model, k=3, **kwargs) -> LLM:
                **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"max_num_batched_tokens": 16, "kv_cache_memory": 14 * 2 * BLOCK_BYTES,
+@pytest.mark.parametrize("kwargs", [{}, {"max_num_batched_tokens": 16, "kv_cache_memory": 9 * 2 * BLOCK_BYTES,
                                          "async_scheduling": False}],
                          ids=["async", "serial_chunked_and_preempted"])
-def test_self_drafting_accepts_every_draft(converted_default_model, without_drafts, kwargs):
+def test_self_drafting_accepts_every_greedy_draft(converted_default_model, without_drafts, kwargs):
     llm = _spec(converted_default_model, **kwargs)
     assert llm.engine.runner.drafter is not None and llm.engine.proposer is None
-    assert [_tokens(llm, p) for p in (GREEDY, SEEDED)] == without_drafts
+    assert _tokens(llm, GREEDY) == without_drafts[0]
     stats = llm.engine.scheduler.spec_stats
-    assert stats.num_draft_tokens > 0
-    # Greedy requests draft exactly the target's tokens (same weights, same cache); seeded ones
-    # reject where the target's random draw differs from the drafter's argmax.
-    assert 0.5 < stats.acceptance_rate <= 1
+    # Same weights, same cache contents: a greedy request's drafts are exactly the target's tokens.
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    # Seeded requests reject where the target's random draw differs from the drafter's argmax.
+    assert _tokens(llm, SEEDED) == without_drafts[1]
     if "kv_cache_memory" in kwargs:
         assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.block_pool.is_whole()
-
-
-def test_greedy_self_drafting_accepts_all(converted_default_model, without_drafts):
-    llm = _spec(converted_default_model, k=4)
-    assert _tokens(llm, GREEDY) == without_drafts[0]
-    stats = llm.engine.scheduler.spec_stats
-    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
 
 
 def test_truncated_copy_drafts_exactly(truncated, without_drafts):
@@ -84,9 +81,8 @@ def test_truncated_copy_drafts_exactly(truncated, without_drafts):
     assert llm.engine.scheduler.block_pool.is_whole()
 
 
-def test_mixed_caps_and_n(converted_default_model):
+def test_mixed_caps_and_n(converted_default_model, plain):
     """Requests that turn drafting off or cap it run beside drafting ones, n > 1 included."""
-    plain = LLM(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
     llm = _spec(converted_default_model)
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, num_speculative_tokens=cap)
               for cap in (0, 1, None)] + [SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=24, ignore_eos=True)]
