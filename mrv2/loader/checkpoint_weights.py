@@ -7,7 +7,6 @@ read through `iter_safetensors_weights`, which this reuses whenever the folder h
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 
 from mrv2.loader.errors import CorruptCheckpointError, ModelLoadError
-from mrv2.loader.safetensors_weights import INDEX_FILE, iter_safetensors_weights
+from mrv2.loader.safetensors_weights import INDEX_FILE, indexed_files, iter_safetensors_weights
 
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 
@@ -24,18 +23,8 @@ BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 def bin_files(folder: str | os.PathLike) -> list[Path]:
     """The folder's PyTorch weight files: the shards its index names, else every pytorch_model*.bin."""
     folder = Path(folder)
-    index = folder / BIN_INDEX_FILE
-    if index.is_file():
-        try:
-            names = list(dict.fromkeys(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CorruptCheckpointError(index, f"not a valid weights index ({exc})") from exc
-        files = [folder / name for name in names]
-        for file in files:
-            if not file.is_file():
-                raise CorruptCheckpointError(file, f"listed in {BIN_INDEX_FILE} but missing")
-        return files
-    return sorted(folder.glob("pytorch_model*.bin"))
+    files = indexed_files(folder, BIN_INDEX_FILE)
+    return files if files is not None else sorted(folder.glob("pytorch_model*.bin"))
 
 
 def iter_checkpoint_weights(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:

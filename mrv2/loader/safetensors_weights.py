@@ -15,20 +15,27 @@ from mrv2.loader.errors import CorruptCheckpointError, ModelLoadError
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def indexed_files(folder: Path, index_name: str) -> list[Path] | None:
+    """The shard files a weights index (`index_name` in `folder`) names, in shard order; None without one."""
+    index = folder / index_name
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = list(dict.fromkeys(weight_map.values()))  # shard order, deduplicated
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(index, f"not a valid weights index ({exc})") from exc
+    files = [folder / name for name in names]
+    for file in files:
+        if not file.is_file():
+            raise CorruptCheckpointError(file, f"listed in {index_name} but missing")
+    return files
+
+
 def safetensors_files(folder: str | os.PathLike) -> list[Path]:
     """The folder's weight files: the shards its index names, else model.safetensors, else any *.safetensors."""
     folder = Path(folder)
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = list(dict.fromkeys(weight_map.values()))  # shard order, deduplicated
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CorruptCheckpointError(index, f"not a valid safetensors index ({exc})") from exc
-        files = [folder / name for name in names]
-        for file in files:
-            if not file.is_file():
-                raise CorruptCheckpointError(file, f"listed in {INDEX_FILE} but missing")
+    if (files := indexed_files(folder, INDEX_FILE)) is not None:
         return files
     if (folder / "model.safetensors").is_file():
         return [folder / "model.safetensors"]
