@@ -289,7 +289,8 @@ class ModelRunner:
                 raw_logprobs = logits.log_softmax(dim=-1) if num_logprobs is not None else None
                 metadata = self.sampling.metadata(pending.flags, slots, positions, self.states.token_ids)
                 with_probs = batch.max_drafts > 0 and self.drafter is not None and self.drafter.probabilistic
-                sampled, probs = self.sampler.sample(logits, metadata, with_probs=with_probs)
+                sampled, probs = self.sampler.sample(logits, metadata, with_probs=True) if with_probs else \
+                    (self.sampler(logits, metadata), None)
                 if not batch.max_drafts and self.drafter is None:
                     logprobs = None if raw_logprobs is None else \
                         host_logprobs.start(compute_logprobs(raw_logprobs, sampled, num_logprobs), event)
