@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -23,20 +22,43 @@ class NgramProposer:
 
     def propose(self, token_ids: Sequence[int]) -> list[int]:
         """The drafts after `token_ids` (empty when no suffix of length min_n.. recurs)."""
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        n_tokens = len(tokens)
-        for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
-            # Windows that start before the suffix itself and match it; the latest one wins.
-            windows = sliding_window_view(tokens[:n_tokens - 1], n)
-            hits = np.flatnonzero((windows == tokens[n_tokens - n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return tokens[start:start + self.k].tolist()
-        return []
+        return self.propose_batch([token_ids])[0]
+
+    def propose_batch(self, histories: Sequence[Sequence[int]]) -> list[list[int]]:
+        """`propose` for every history at once, vectorized over the batch.
+
+        The histories are right-aligned in one array (padded on the left with -1, which
+        matches no token). For every earlier position i, `run[:, i]` counts how many
+        tokens ending at i equal the suffix ending at the last token (up to max_n, one
+        comparison of the whole array per length); a row's longest matched n is the
+        largest count (capped at its length - 1) and its latest occurrence the last i
+        reaching it.
+        """
+        if not histories:
+            return []
+        width = max(len(h) for h in histories)
+        if width < 2:
+            return [[] for _ in histories]
+        tokens = np.full((len(histories), width), -1, dtype=np.int64)
+        for row, h in enumerate(histories):
+            tokens[row, width - len(h):] = h
+        lengths = np.fromiter((len(h) for h in histories), np.int64, len(histories))
+        ends = width - 1  # candidate occurrence ends: 0 .. width - 2
+        run = np.zeros((len(histories), ends), dtype=np.int64)
+        matching = np.ones((len(histories), ends), dtype=bool)
+        for t in range(min(self.max_n, ends)):
+            same = np.zeros((len(histories), ends), dtype=bool)
+            same[:, t:] = tokens[:, :ends - t] == tokens[:, width - 1 - t, None]
+            matching &= same
+            run += matching
+        run = np.minimum(run, np.minimum(self.max_n, lengths - 1)[:, None])
+        best = run.max(axis=1)
+        latest = ends - 1 - (run == best[:, None])[:, ::-1].argmax(axis=1)
+        return [tokens[row, i + 1:i + 1 + self.k].tolist() if n >= self.min_n else []
+                for row, (n, i) in enumerate(zip(best.tolist(), latest.tolist()))]
 
     def propose_for(self, requests: Iterable) -> None:
         """Set `spec_token_ids` of each request to its drafts, at most its own `num_speculative_tokens`."""
-        for request in requests:
-            cap = request.sampling_params.num_speculative_tokens
-            if cap != 0:
-                request.spec_token_ids = self.propose(request.all_token_ids)[:cap]
+        wanted = [r for r in requests if r.sampling_params.num_speculative_tokens != 0]
+        for request, drafts in zip(wanted, self.propose_batch([r.all_token_ids for r in wanted])):
+            request.spec_token_ids = drafts[:request.sampling_params.num_speculative_tokens]

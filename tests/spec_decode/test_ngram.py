@@ -37,6 +37,14 @@ def test_equals_a_plain_loop(tokens, k, min_n, extra):
     assert NgramProposer(k, min_n, min_n + extra).propose(tokens) == _reference(tokens, k, min_n, min_n + extra)
 
 
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(histories=st.lists(st.lists(st.integers(0, 4), max_size=30), max_size=6), k=st.integers(1, 5),
+       min_n=st.integers(1, 3), extra=st.integers(0, 3))
+def test_the_batch_equals_each_request_alone(histories, k, min_n, extra):
+    p = NgramProposer(k, min_n, min_n + extra)
+    assert p.propose_batch(histories) == [_reference(h, k, min_n, min_n + extra) for h in histories]
+
+
 def test_stats():
     s = SpecDecodingStats()
     s.observe(3, 2)
