@@ -161,10 +161,14 @@ def test_mtp_needs_the_layer(tiny_checkpoint):
             speculative_config={"method": "mtp"})
 
 
-def test_eagle_on_the_wrong_architecture_is_refused(llama_target, eagle3):
-    with pytest.raises(ValueError, match="LlamaForCausalLMEagle3"):
+def test_a_drafter_of_the_wrong_kind_is_refused(llama_target, eagle3):
+    with pytest.raises(ValueError, match="method 'eagle' needs an Eagle-1 head, but model .* is 'LlamaForCausalLMEagle3'"):
         LLM(model=str(llama_target), dtype="float32", max_model_len=256, kv_cache_memory=1 << 22,
             speculative_config={"method": "eagle", "model": eagle3})
+    with pytest.raises(ValueError, match="method 'mtp' needs a DeepSeek-V2/V3 checkpoint with MTP layers, but the "
+                                         "target model is 'LlamaForCausalLM'"):
+        LLM(model=str(llama_target), dtype="float32", max_model_len=256, kv_cache_memory=1 << 22,
+            speculative_config={"method": "mtp"})
 
 
 def test_self_drafting_through_prefix_hits_and_aborts(llama_target):
