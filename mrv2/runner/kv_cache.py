@@ -39,6 +39,60 @@ class KVCache:
     block_size: int
     alignment: int
 
+    def regions(self) -> KVRegions:
+        """Base address, size, alignment and every layer's per-part offsets and strides, from the one
+        raw allocation (what a KV-transfer engine registers to move blocks)."""
+        start = self.raw.data_ptr()
+        base = start + (-start % self.alignment)  # where the first tensor starts: the region is aligned
+        parts = []
+        for i, layer in enumerate(self.layers):
+            for name, view in layer.parts.items():  # [num_blocks, block_size, heads, dim], heads x dim dense
+                item = view.element_size()
+                parts.append(KVPartRegion(i, name, view.data_ptr() - base, view.stride(0) * item,
+                                          view.stride(1) * item, view.shape[2] * view.shape[3] * item))
+        return KVRegions(base, start + self.raw.numel() - base, self.alignment, self.num_blocks, self.block_size,
+                         tuple(parts))
+
+
+@dataclass(frozen=True)
+class KVPartRegion:
+    """Where one part (K, V, MLA latent or rope key) of one layer lies in the raw allocation.
+
+    Token t of block b occupies `token_bytes` contiguous bytes at
+    base + offset + b * block_stride + t * token_stride.
+    """
+
+    layer: int
+    part: str
+    offset: int
+    block_stride: int
+    token_stride: int
+    token_bytes: int
+
+
+@dataclass(frozen=True)
+class KVRegions:
+    """The KV cache as a transfer engine registers it: one region [base, base + size), aligned to
+    `alignment` bytes, and every layer's parts inside it (see `KVPartRegion`)."""
+
+    base: int
+    size: int
+    alignment: int
+    num_blocks: int
+    block_size: int
+    parts: tuple[KVPartRegion, ...]
+
+    def block_bytes(self, block: int) -> list[tuple[int, int]]:
+        """(address, length) spans holding block `block` of every layer and part."""
+        spans = []
+        for p in self.parts:
+            start = self.base + p.offset + block * p.block_stride
+            if p.token_stride == p.token_bytes:  # the block's tokens are contiguous
+                spans.append((start, self.block_size * p.token_bytes))
+            else:
+                spans.extend((start + t * p.token_stride, p.token_bytes) for t in range(self.block_size))
+        return spans
+
 
 def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment

@@ -89,3 +89,34 @@ def test_transfer_forces_2mib_alignment():
 def test_too_few_blocks_is_an_error():
     with pytest.raises(ValueError, match="at least 2 blocks"):
         allocate_kv_cache([GQA], "joint", 1, 16, 64, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("layout", ["joint", "split"])
+def test_every_blocks_bytes_are_reachable_from_the_regions(layout):
+    """A transfer engine sees only the region numbers: every block of every layer and part, read
+    through them from the raw allocation, is exactly what the layer's view holds."""
+    specs = [KVCacheSpec.gqa(2, 8, 8, torch.bfloat16),
+             KVCacheSpec((KVPart("latent", 1, 16), KVPart("rope", 1, 4)), torch.float32)]
+    kv = allocate_kv_cache(specs, layout, 5, 4, KV_TRANSFER_ALIGNMENT, torch.device("cpu"))
+    kv.raw.copy_(torch.randint(0, 256, kv.raw.shape, dtype=torch.uint8))
+    regions = kv.regions()
+    raw_start = kv.raw.data_ptr()
+    assert regions.base % KV_TRANSFER_ALIGNMENT == 0 and raw_start <= regions.base
+    assert regions.base + regions.size == raw_start + kv.raw.numel() and len(regions.parts) == 4
+    assert all(p.offset % KV_TRANSFER_ALIGNMENT == 0 for p in regions.parts if layout == "split")
+    flat = kv.raw.numpy()
+    for block in range(regions.num_blocks):
+        spans = iter(regions.block_bytes(block))
+        for part in regions.parts:
+            view = kv.layers[part.layer][part.part][block]  # [block_size, heads, dim]
+            expected = view.contiguous().view(torch.uint8).numpy().tobytes()
+            got = b""
+            while len(got) < len(expected):
+                address, length = next(spans)
+                assert regions.base <= address and address + length <= regions.base + regions.size
+                got += flat[address - raw_start:address - raw_start + length].tobytes()
+            assert got == expected
+        assert next(spans, None) is None
+    # A block's spans of one layer and part never overlap another block's.
+    first, second = set(regions.block_bytes(0)), set(regions.block_bytes(1))
+    assert not {a for a, _ in first} & {a for a, _ in second}
