@@ -105,7 +105,8 @@ class DecodePassGraphs(Protocol):
 
 
 class Drafter:
-    """Proposes `k` greedy draft tokens per request with a draft model or head (see the module docstring)."""
+    """Proposes `k` draft tokens per request with a draft model or head, greedily or drawn (see the module
+    docstring)."""
 
     def __init__(self, head: DraftHead, k: int, shifted: bool, backend: AttentionBackend, max_num_reqs: int,
                  max_model_len: int, block_size: int, dtype: torch.dtype, device: torch.device,
