@@ -158,6 +158,7 @@ class SpeculativeConfig:
 
     METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
     MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+    NEEDS_MODEL_PATH = ("draft_model", "eagle", "eagle3")  # mtp reads the target's own checkpoint
 
     def __post_init__(self) -> None:
         if self.method not in self.METHODS:
@@ -170,7 +171,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo}, {hi}")
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"speculative_config model must be a path, got {self.model!r}")
-        if self.method in ("draft_model", "eagle", "eagle3") and self.model is None:
+        if self.method in self.NEEDS_MODEL_PATH and self.model is None:
             raise ValueError(f"speculative_config method {self.method!r} needs a 'model' (a checkpoint folder)")
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config method 'ngram' takes no 'model'")

@@ -26,6 +26,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from mrv2.config import SpeculativeConfig
+
 OPEN_TASKS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle stays upright.",
               "Describe a busy market on a summer morning.", "Give advice to someone learning to cook.",
               "Write a letter to a friend about a trip to the mountains.", "Explain why the sky is blue.",
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _speculative_config(method: str, args: argparse.Namespace, kwargs: dict, scratch: str) -> dict:
     config = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
-    if method in ("draft_model", "eagle", "eagle3"):
+    if method in SpeculativeConfig.NEEDS_MODEL_PATH:
         if args.draft_model is not None:
             config["model"] = args.draft_model
         elif method == "draft_model":

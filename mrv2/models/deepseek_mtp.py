@@ -39,7 +39,7 @@ from mrv2.layers.quantization import QuantizedWeight
 from mrv2.layers.rotary import RotaryEmbedding
 from mrv2.models.base import PreNormBlock
 from mrv2.models.deepseek import DeepseekConfig, MLAAttention
-from mrv2.models.weights import load_hf_weights
+from mrv2.models.weights import copy_checked, load_hf_weights
 
 # Checkpoint names (after `model.layers.{i}.`) that belong to the MTP layer itself; the rest
 # (self_attn, mlp, input_layernorm, post_attention_layernorm) are its decoder block's.
@@ -104,10 +104,10 @@ class DeepseekMTPHead(nn.Module):
         """
         prefix = f"model.layers.{self.layer_index}."
         own = {name: p for name, p in self.named_parameters() if not name.startswith("mtp_block.")}
-        loaded: set[str] = set()
+        held: dict[str, torch.Tensor] = {}
 
         def block_tensors() -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-            # Copies the layer's own tensors on the way; yields the block's, renamed, to load_hf_weights.
+            # Holds the layer's own tensors on the way; yields the block's, renamed, to load_hf_weights.
             seen = 0
             for name, tensor in weights:
                 if not name.startswith(prefix):
@@ -119,13 +119,7 @@ class DeepseekMTPHead(nn.Module):
                     continue
                 if suffix not in own:
                     raise _LayerTensorError(f"checkpoint tensor {name!r} has no place in the MTP head")
-                if isinstance(tensor, QuantizedWeight):
-                    tensor = tensor.dequantize(torch.float32)
-                if own[suffix].shape != tensor.shape:
-                    raise _LayerTensorError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                            f"the MTP head expects {tuple(own[suffix].shape)}")
-                own[suffix].data.copy_(tensor)
-                loaded.add(suffix)
+                held[suffix] = tensor.dequantize(torch.float32) if isinstance(tensor, QuantizedWeight) else tensor
             if not seen:
                 raise _LayerTensorError(f"the checkpoint has no multi-token-prediction layer: no tensor is "
                                         f"named {prefix}* (the layer after its {self.layer_index} decoder layers)")
@@ -136,6 +130,9 @@ class DeepseekMTPHead(nn.Module):
             raise
         except ValueError as exc:  # load_hf_weights names the block's tensors without the layer prefix
             raise ValueError(f"MTP layer {prefix}*: {exc}") from exc
+        for suffix, tensor in held.items():
+            copy_checked(own[suffix], prefix + suffix, tensor, "the MTP head")
+        loaded = held.keys()
         missing = sorted(prefix + n for n in own.keys() - loaded if n not in _SHAREABLE)
         if missing:
             raise ValueError(f"checkpoint is missing tensors of the MTP layer: {missing}")

@@ -50,20 +50,13 @@ from mrv2.layers.norm import RMSNorm
 from mrv2.layers.rotary import RotaryEmbedding
 from mrv2.models.base import PreNormBlock
 from mrv2.models.decoder import Attention, DecoderConfig
-from mrv2.models.weights import load_hf_weights
+from mrv2.models.weights import copy_checked, load_hf_weights
 
 
 def _llama_block(cfg: DecoderConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
                  dtype: torch.dtype) -> PreNormBlock:
     return PreNormBlock(cfg.hidden_size, cfg.rms_norm_eps, Attention(cfg, backend, rotary, dtype),
                         GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, cfg.hidden_act), dtype)
-
-
-def _copy_checked(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                         f"the head expects {tuple(param.shape)}")
-    param.data.copy_(tensor)
 
 
 class _EagleHead(nn.Module):
@@ -152,7 +145,7 @@ class _EagleHead(nn.Module):
             if module is None:
                 continue
             if name in held:
-                _copy_checked(module.weight, name, held.pop(name))
+                copy_checked(module.weight, name, held.pop(name), "the head")
             else:
                 setattr(self, attr, None)
         self._loaded = True
@@ -222,7 +215,7 @@ class EagleHead(_EagleHead):
             bias = held.pop("fc.bias")
             self.fc.bias = nn.Parameter(torch.zeros(self.config.hidden_size, dtype=self.dtype,
                                                     device=self.fc.weight.device), requires_grad=False)
-            _copy_checked(self.fc.bias, "fc.bias", bias)
+            copy_checked(self.fc.bias, "fc.bias", bias, "the head")
         self._share_with_target()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
@@ -312,7 +305,7 @@ class Eagle3Head(_EagleHead):
             raise ValueError(f"checkpoint is missing tensors: ['lm_head.weight'] (the target's LM head can "
                              f"only serve a draft vocabulary of the target's size, {vocab}, not {draft_vocab})")
         if "d2t" in held:
-            _copy_checked(self.d2t, "d2t", held.pop("d2t"))
+            copy_checked(self.d2t, "d2t", held.pop("d2t"), "the head")
             ids = torch.arange(draft_vocab, device=self.d2t.device) + self.d2t
             if draft_vocab and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
                 raise ValueError(f"checkpoint tensor 'd2t' maps draft ids outside the target vocabulary [0, {vocab})")

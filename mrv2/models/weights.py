@@ -78,10 +78,15 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor 
 def _copy(params: dict[str, nn.Parameter], target: str, name: str, tensor: torch.Tensor) -> None:
     if target not in params:
         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-    if params[target].shape != tensor.shape:
+    copy_checked(params[target], name, tensor)
+
+
+def copy_checked(param: torch.Tensor, name: str, tensor: torch.Tensor, owner: str = "the model") -> None:
+    """Copy checkpoint tensor `name` into `param`; a ValueError naming both shapes if they differ."""
+    if param.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                         f"the model expects {tuple(params[target].shape)}")
-    params[target].data.copy_(tensor)
+                         f"{owner} expects {tuple(param.shape)}")
+    param.data.copy_(tensor)
 
 
 def _expected(model: nn.Module, params: dict[str, nn.Parameter], tied_lm_head: bool) -> set[str]:

@@ -211,7 +211,7 @@ class InputBuffers:
         positions = self.positions[:t]
         # Drafts lie past the known history: their ids come from the host, not from token_ids.
         self.input_ids[:t] = states.token_ids[idx[rows], positions]
-        if plan.segments["draft_pos"].stop > plan.segments["draft_pos"].start:
+        if seg["draft_pos"].stop > seg["draft_pos"].start:  # drafts whose ids the host knows
             self.input_ids.index_copy_(0, dev[seg["draft_pos"]], dev[seg["draft_ids"]])
         torch.add(computed, self.num_scheduled[:b], out=self.seq_lens[:b])
         block_tables.gather(idx, self.block_table)

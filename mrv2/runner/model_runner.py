@@ -335,21 +335,23 @@ class ModelRunner:
 
     def _draft_step(self, forward: _ForwardResult, num_emitted: torch.Tensor, emitted: torch.Tensor) -> DraftStep:
         """What the drafter reads of a finished step (device work, after the post-update)."""
-        batch = forward.batch
-        n, t = batch.attn.num_tokens, batch.num_tokens
+        batch, idx = forward.batch, forward.batch.idx_mapping
+        n, t, b = batch.attn.num_tokens, batch.num_tokens, idx.shape[0]
         features = None
         if self.drafter.head.feature_size:
             features = self.model.aux_hidden[:n] if self.model.aux_hidden is not None else forward.hidden[:n]
         last = batch.logits_start + (num_emitted - 1).clamp(min=0)  # the row of the last emitted token
+        attn_metadata = forward.attn_metadata
+        if attn_metadata is None:  # a graph built the target's own
+            attn_metadata = self.attn_backend.build_metadata(batch.attn)
+        drawn = self.drafter.probabilistic  # only drawn drafts read the requests' temperatures and seeds
         return DraftStep(
-            input_ids=batch.input_ids[:n], positions=batch.positions[:n],
-            token_slots=batch.idx_mapping[self.inputs.token_rows[:t]],
-            attn_metadata=forward.attn_metadata or self.attn_backend.build_metadata(batch.attn),
-            features=features, slots=batch.idx_mapping, last_rows=batch.logits_indices[last], emitted=emitted,
-            block_table=batch.attn.block_table[:batch.idx_mapping.shape[0]],
-            seq_lens_cpu=batch.attn.seq_lens_cpu[:batch.idx_mapping.shape[0]],
+            input_ids=batch.input_ids[:n], positions=batch.positions[:n], token_slots=idx[self.inputs.token_rows[:t]],
+            attn_metadata=attn_metadata, features=features, slots=idx, last_rows=batch.logits_indices[last],
+            emitted=emitted, block_table=batch.attn.block_table[:b], seq_lens_cpu=batch.attn.seq_lens_cpu[:b],
             token_ids=self.states.token_ids, num_tokens=self.states.num_tokens,
-            temperature=self.sampling.temperature[batch.idx_mapping], seeds=self.sampling.seeds[batch.idx_mapping])
+            temperature=self.sampling.temperature[idx] if drawn else None,
+            seeds=self.sampling.seeds[idx] if drawn else None)
 
     def _launch(self, work: Callable[[], T]) -> Pending[T]:
         if not self.queue.synchronous:

@@ -27,14 +27,25 @@ def verify_drafts(sampled: torch.Tensor, input_ids: torch.Tensor, logits_indices
     Logits rows of batch row b are logits_start[b] .. + num_drafts[b]; the draft a row
     verifies is the input token after that row's position. Every shape is host-known.
     """
-    cols = torch.arange(max_drafts + 1, device=sampled.device)
-    rows = logits_start[:, None] + torch.minimum(cols[None, :], num_drafts[:, None])  # [B, 1 + k]
-    tokens = sampled[rows]
-    next_input = logits_indices[rows[:, :max_drafts]] + 1
-    drafts = input_ids[next_input.clamp(max=input_ids.shape[0] - 1)]
+    cols, rows, drafts = _rows_and_drafts(input_ids, logits_indices, logits_start, num_drafts, max_drafts)
+    return _compare(sampled[rows], drafts, cols, num_drafts, max_drafts)
+
+
+def _compare(tokens: torch.Tensor, drafts: torch.Tensor, cols: torch.Tensor, num_drafts: torch.Tensor,
+             max_drafts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts accepted while each equals the token drawn before it: (tokens, num_emitted)."""
     match = (tokens[:, :max_drafts] == drafts) & (cols[None, :max_drafts] < num_drafts[:, None])
-    num_emitted = 1 + match.int().cumprod(dim=1).sum(dim=1)
-    return tokens, num_emitted
+    return tokens, 1 + match.int().cumprod(dim=1).sum(dim=1)
+
+
+def _rows_and_drafts(input_ids: torch.Tensor, logits_indices: torch.Tensor, logits_start: torch.Tensor,
+                     num_drafts: torch.Tensor, max_drafts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cols [1 + k], each row's logits rows [B, 1 + k] (the last repeated past its drafts), the drafts
+    they verify [B, k]: the input token after each of a row's first k logits rows)."""
+    cols = torch.arange(max_drafts + 1, device=input_ids.device)
+    rows = logits_start[:, None] + torch.minimum(cols[None, :], num_drafts[:, None])
+    next_input = logits_indices[rows[:, :max_drafts]] + 1
+    return cols, rows, input_ids[next_input.clamp(max=input_ids.shape[0] - 1)]
 
 
 def verify_drafts_with_probs(sampled: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor,
@@ -48,10 +59,8 @@ def verify_drafts_with_probs(sampled: torch.Tensor, target_probs: torch.Tensor, 
     the drafter's, per draft; random_rows [B]: rows sampled at random; first_positions [B]: the token
     position of each row's first draft. Greedy rows and rows without drafts keep `verify_drafts`.
     """
-    tokens, num_emitted = verify_drafts(sampled, input_ids, logits_indices, logits_start, num_drafts, max_drafts)
-    cols = torch.arange(max_drafts + 1, device=sampled.device)
-    rows = logits_start[:, None] + torch.minimum(cols[None, :], num_drafts[:, None])
-    draft_ids = input_ids[(logits_indices[rows[:, :max_drafts]] + 1).clamp(max=input_ids.shape[0] - 1)]
+    cols, rows, draft_ids = _rows_and_drafts(input_ids, logits_indices, logits_start, num_drafts, max_drafts)
+    tokens, num_emitted = _compare(sampled[rows], draft_ids, cols, num_drafts, max_drafts)
     drawn, drawn_emitted = rejection_sample(target_probs[rows], draft_probs[:, :max_drafts], draft_ids, num_drafts,
                                             seeds, first_positions)
     use = random_rows & (num_drafts > 0)

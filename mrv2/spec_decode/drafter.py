@@ -58,8 +58,8 @@ class DraftStep:
     seq_lens_cpu: np.ndarray  # [B] host upper bounds of the sequence lengths the step computed
     token_ids: torch.Tensor  # the slots' token history, after the post-update
     num_tokens: torch.Tensor  # the slots' token counts, after the post-update
-    temperature: torch.Tensor  # [B] each request's sampling temperature (probabilistic drafting)
-    seeds: torch.Tensor  # [B] each request's seed (probabilistic drafting)
+    temperature: torch.Tensor | None  # [B] each request's sampling temperature (probabilistic drafting only)
+    seeds: torch.Tensor | None  # [B] each request's seed (probabilistic drafting only)
 
 
 class DraftBuffers:
