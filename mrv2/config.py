@@ -302,6 +302,33 @@ class GraphConfig:
         return [replace(self, mode=GraphMode.FULL, compile=None), replace(self, mode=GraphMode.PIECEWISE)]
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model spreads over ranks: `tensor_parallel_size` ranks each hold a slice of every
+    layer; `distributed_executor_backend` runs them ("mp": one process per rank on this machine,
+    "ray": Ray actors; None: mp when there is more than one rank)."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}")
+
+    @property
+    def executor_backend(self) -> str | None:
+        """The executor that runs the ranks: None for one rank in this process."""
+        if self.distributed_executor_backend is None:
+            return "mp" if self.tensor_parallel_size > 1 else None
+        return self.distributed_executor_backend
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine is built from."""
@@ -317,8 +344,12 @@ class EngineConfig:
     # (vLLM's async_scheduling). None: the platform's default.
     async_scheduling: bool | None = None
     speculative: SpeculativeConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if self.parallel.tensor_parallel_size > 1 and self.speculative is not None and self.speculative.uses_model:
+            raise ValueError(f"speculative decoding with {self.speculative.method!r} does not run with "
+                             f"tensor_parallel_size > 1 yet (its drafter is not sharded); 'ngram' does")
         if self.model.batch_invariant and self.graph is not None and self.graph.compile:
             raise ValueError("batch_invariant=True runs piecewise graphs uncompiled: torch.compile generates its "
                              "own kernels, whose rounding differs from the eager steps'; drop graph_compile")

@@ -42,6 +42,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bitwise-identical logprobs for a request whatever batch it runs in (slower)")
     g.add_argument("--speculative-config", type=_json_dict, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks every layer is split over (one process each; on the CPU each gets a share of the cores)")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
+                   help="how ranks run: mp (worker processes, the default) or ray (actors on a Ray cluster)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -72,4 +76,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 graph_mode=args.graph_mode, graph_capture_sizes=_sizes(args.graph_capture_sizes),
                 graph_compile=args.graph_compile, async_scheduling=args.async_scheduling, seed=args.seed,
                 quantization=args.quantization, enable_prefix_caching=args.enable_prefix_caching,
-                batch_invariant=args.batch_invariant, speculative_config=args.speculative_config)
+                batch_invariant=args.batch_invariant, speculative_config=args.speculative_config,
+                tensor_parallel_size=args.tensor_parallel_size,
+                distributed_executor_backend=args.distributed_executor_backend)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Sequence
 
-from mrv2.config import (CacheConfig, EngineConfig, GraphConfig, GraphMode, ModelConfig, SchedulerConfig,
-                         SpeculativeConfig)
+from mrv2.config import (CacheConfig, EngineConfig, GraphConfig, GraphMode, ModelConfig, ParallelConfig,
+                         SchedulerConfig, SpeculativeConfig)
 from mrv2.engine.llm_engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
 from mrv2.sampling_params import RequestOutputKind, SamplingParams
@@ -33,7 +33,8 @@ def engine_config(model: str | None = None, *, tokenizer: str | None = None, dty
                   graph_capture_sizes: Sequence[int] | None = None, graph_compile: bool | None = None,
                   async_scheduling: bool | None = None, quantization: str | None = "auto",
                   enable_prefix_caching: bool = True, batch_invariant: bool = False,
-                  speculative_config: dict[str, Any] | None = None) -> EngineConfig:
+                  speculative_config: dict[str, Any] | None = None, tensor_parallel_size: int = 1,
+                  distributed_executor_backend: str | None = None) -> EngineConfig:
     """The EngineConfig for `LLM(...)` / `AsyncLLM(...)` keyword arguments (see `LLM`)."""
     return EngineConfig(
         model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -49,6 +50,8 @@ def engine_config(model: str | None = None, *, tokenizer: str | None = None, dty
             compile=graph_compile),
         enforce_eager=enforce_eager, device=device, async_scheduling=async_scheduling,
         speculative=SpeculativeConfig.from_dict(speculative_config),
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                distributed_executor_backend=distributed_executor_backend),
     )
 
 
@@ -74,6 +77,8 @@ class LLM:
     `speculative_config` ({"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_min": 1, "prompt_lookup_max": 4}) verifies up to k drafted tokens per
     request and step in one forward; outputs equal those without it (see `SpeculativeConfig`).
+    `tensor_parallel_size` spreads every layer over that many ranks (processes here, one per
+    core share on the CPU; `distributed_executor_backend` "mp", the default, or "ray").
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

@@ -17,9 +17,9 @@ from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.request import Request, RequestStatus
 from mrv2.engine.scheduler import Scheduler
 from mrv2.engine.scheduler_output import SchedulerOutput
+from mrv2.distributed.executors import RankFailedError, RunnerSpec, build_executor
 from mrv2.runner.async_output import AsyncRunnerOutput
 from mrv2.runner.kv_cache import num_blocks_for_budget
-from mrv2.runner.model_runner import ModelRunner
 from mrv2.sample.bad_words import bad_words_token_ids
 from mrv2.platforms import get_platform
 from mrv2.sampling_params import SamplingParams
@@ -35,10 +35,9 @@ class LLMEngine:
         from transformers import AutoConfig, AutoTokenizer
 
         from mrv2.loader.resolve import check_architecture, resolve_model_path
-        from mrv2.loader.gguf_quant import iter_weights_keeping_quantized, quantized_names
-        from mrv2.loader.safetensors_weights import iter_safetensors_weights
+        from mrv2.loader.gguf_quant import quantized_names
 
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
         self.platform = get_platform(config.device)
         if config.async_scheduling is None:
             config = replace(config, async_scheduling=self.platform.default_async_scheduling)
@@ -75,26 +74,43 @@ class LLMEngine:
         logger.info("Running in %s: %s", str(self.dtype).removeprefix("torch."), why)
         torch.manual_seed(config.model.seed)
 
-        weights, quant_policy = iter_safetensors_weights(path), None
+        quant_policy = None
         if quantized_names(path):
             policy, why = self.platform.quant_policy(self.dtype, config.model.quantization)
             if config.model.batch_invariant and policy.uses_int4:
                 policy, why = replace(policy, int4_max_rows=0), "batch_invariant=True runs dense weights"
             if policy.uses_int4:
-                weights, quant_policy = iter_weights_keeping_quantized(path), policy
+                quant_policy = policy
             logger.info("Quantized GGUF weights %s: %s", "kept quantized" if quant_policy else "dequantized", why)
-        self.runner = ModelRunner(config, self.platform, hf_config, weights, self.dtype, quant_policy, path)
+        tp_size = config.parallel.tensor_parallel_size
+        if tp_size > 1:
+            logger.info("Tensor parallelism over %d ranks (%s executor, %s process groups)", tp_size,
+                        config.parallel.executor_backend, self.platform.dist_backend)
+        # Rank 0's runner lives here (`self.runner`: read its state, run the model through the executor).
+        self.executor = build_executor(RunnerSpec(config, path, hf_config, self.dtype, quant_policy), self.platform)
+        self.runner = self.executor.driver
+        try:
+            self._set_up_cache_and_scheduler()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _set_up_cache_and_scheduler(self) -> None:
+        config = self.config
         num_blocks = self._plan_kv_cache()
         alignment = config.cache.base_alignment(self.platform.kv_alignment)
         try:
-            kv = self.runner.initialize_kv_cache(num_blocks, alignment)
+            kv = self.executor.call("initialize_kv_cache", num_blocks, alignment)
+        except RankFailedError:
+            raise
         except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeError (OutOfMemoryError)
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks of {config.cache.block_size} tokens) could not be allocated: "
                 f"{str(e).splitlines()[0][:200]}; lower kv_cache_memory (or kv_cache_memory_fraction, "
                 f"max_num_seqs or max_model_len)") from e
-        self.runner.capture_graphs()
+        self.executor.call("capture_graphs")
         drafter = self.runner.drafter
+        max_model_len = config.max_model_len
         self.scheduler = Scheduler(config.scheduler, config.cache.block_size, num_blocks, max_model_len,
                                    config.cache.enable_prefix_caching,
                                    drafter.k if drafter is not None else 0)
@@ -102,7 +118,7 @@ class LLMEngine:
                     "%.1f requests of %d tokens; ready in %.1f s", num_blocks, config.cache.block_size,
                     kv.raw.numel() / 2**20, config.cache.layout, alignment,
                     (num_blocks - 1) * config.cache.block_size / max_model_len, max_model_len,
-                    time.perf_counter() - t0)
+                    time.perf_counter() - self._t0)
         self.eos_token_ids = self._eos_token_ids()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -122,10 +138,12 @@ class LLMEngine:
             budget = cfg.cache.kv_cache_memory
         else:
             # The largest step (attention transients included) and the graphs captured after allocation.
-            reserved = self.runner.activation_bytes() + self.runner.graph_pool_bytes()
-            budget = int(self.platform.free_memory() * cfg.cache.memory_fraction) - reserved
+            reserved = self.executor.call("activation_bytes") + self.runner.graph_pool_bytes()
+            # Ranks that share one memory (host RAM) share its budget too.
+            ranks = cfg.parallel.tensor_parallel_size if self.platform.ranks_share_memory else 1
+            budget = int(self.platform.free_memory() * cfg.cache.memory_fraction) // ranks - reserved
             if self.platform.kv_cache_cap_bytes is not None:
-                budget = min(budget, self.platform.kv_cache_cap_bytes)
+                budget = min(budget, self.platform.kv_cache_cap_bytes // ranks)
         num_blocks = num_blocks_for_budget(specs, cfg.cache.layout, cfg.cache.block_size, alignment, budget)
         # More blocks than every slot at full length can use would sit idle.
         useful = cfg.scheduler.max_num_seqs * -(-cfg.max_model_len // cfg.cache.block_size) + 1
@@ -243,8 +261,8 @@ class LLMEngine:
         if len(self._in_flight) < self._max_in_flight:
             sched = self.scheduler.schedule()
             try:  # a synchronous device queue runs the forward and the sampler right here
-                self.runner.execute_model(sched)  # also frees the slots of finished requests
-                pending = self.runner.sample_tokens() if not sched.is_empty else None
+                self.executor.execute_model(sched)  # also frees the slots of finished requests
+                pending = self.executor.sample_tokens() if not sched.is_empty else None
             except BaseException:
                 self._fail(sched)
                 raise
@@ -280,7 +298,11 @@ class LLMEngine:
                 self.scheduler.update_from_output(sched, pending.get())
             except Exception:  # noqa: BLE001 - shutting down: the step's requests just end
                 self.scheduler.fail_step(sched)
-        self.runner.close()
+        self.executor.shutdown()
+
+    def target_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """log p(token_ids[i + 1] | token_ids[:i + 1]) for every i (see `ModelRunner.target_logprobs`)."""
+        return self.executor.call("target_logprobs", token_ids)
 
 
 def _cache_salt(prompt: Any) -> str | None:

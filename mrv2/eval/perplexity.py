@@ -39,7 +39,7 @@ def perplexity(llm, text: str | list[int], window: int = 1024, stride: int | Non
     start = 0
     while scored_to < len(ids):
         end = min(start + window, len(ids))
-        logprobs = llm.engine.runner.target_logprobs(ids[start:end])  # logprobs[i]: token start + i + 1
+        logprobs = llm.engine.target_logprobs(ids[start:end])  # logprobs[i]: token start + i + 1
         new = logprobs[scored_to - start - 1:]
         total -= float(new.double().sum())
         count += new.numel()

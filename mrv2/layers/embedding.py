@@ -1,4 +1,8 @@
-"""Token embedding that may hold a GGUF-quantized table (which a tied LM head then shares)."""
+"""Token embedding that may hold a GGUF-quantized table (which a tied LM head then shares).
+
+Under tensor parallelism each rank holds a contiguous slice of the vocabulary's rows; a
+lookup embeds the ids in its slice, zeros the rest and sums over the ranks.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +10,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.distributed.parallel import SINGLE, TensorParallel
+from mrv2.layers.linear import TPSlice
 from mrv2.layers.quantization import QuantizedWeight
 
 
 class VocabEmbedding(nn.Embedding):
-    """nn.Embedding; with `quantized` set and no dense table, rows are dequantized as they are looked up."""
+    """nn.Embedding; with `quantized` set and no dense table, rows are dequantized as they are looked up.
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
-        super().__init__(num_embeddings, embedding_dim, dtype=dtype)
+    Under `tp` the table holds this rank's vocabulary rows [`vocab_start`, `vocab_start` + rows).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype,
+                 tp: TensorParallel = SINGLE) -> None:
+        self.vocab_start, rows = tp.split(num_embeddings, "vocabulary rows")
+        super().__init__(rows, embedding_dim, dtype=dtype)
         self.weight.requires_grad_(False)
+        self.tp = tp
         self.dtype = dtype  # lookups' dtype, also once the dense table is dropped
         self.quantized: QuantizedWeight | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self._lookup(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = self._lookup(local.masked_fill(outside, 0)).masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(x)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight is None:
-            return self.quantized.dequantize(self.dtype, rows=input_ids)
-        return F.embedding(input_ids, self.weight)
+            return self.quantized.dequantize(self.dtype, rows=ids)
+        return F.embedding(ids, self.weight)
+
+    def tp_slice(self, name: str, shard: int | None) -> TPSlice | None:
+        """This rank's vocabulary rows of the checkpoint's table."""
+        return (0, self.vocab_start, self.num_embeddings) if self.tp.size > 1 else None
 
     def load_quantized(self, name: str, value: QuantizedWeight) -> bool:
         if name != "weight" or tuple(value.shape) != tuple(self.weight.shape):

@@ -4,6 +4,12 @@ A shard may arrive quantized (`QuantizedWeight`, from a GGUF file); once every w
 is loaded, `finalize_quantization` decides how the layer runs it: through the int4
 kernel for small batches (with a dense copy for larger ones when the budget allows),
 or dequantized.
+
+Under tensor parallelism (`tp`, see `mrv2.distributed.parallel`) a linear holds a slice:
+"column" layers hold part of every shard's output rows and need no communication; "row"
+layers hold part of the input features and sum the ranks' partial outputs. The parts are
+even splits unless the model names them (`parts`: attention heads split by KV groups).
+`tp_slice` tells the loader which part of a checkpoint tensor to read.
 """
 
 from __future__ import annotations
@@ -13,21 +19,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from mrv2.config import QuantPolicy
+from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.layers.batch_invariant import tiled_linear
 from mrv2.layers.packed import pack_weight, packed_linear
 from mrv2.layers.quantization import Int4Matmul, QuantizedWeight, int4_kernel_supports
 
 
+TPSlice = tuple[int, int, int]  # (dim, start, length) of a checkpoint tensor one rank reads
+
+
 class Linear(nn.Module):
-    """y = x W^T (+ b). `shard_sizes` names the row blocks of a fused weight.
+    """y = x W^T (+ b). `shard_sizes` names the row blocks of a fused weight (full sizes).
 
     `packable=False` keeps the weight a plain tensor for layers whose weight is also
-    read outside `forward` (MLA's absorbed kv_b_proj).
+    read outside `forward` (MLA's absorbed kv_b_proj). `parallel` ("column" or "row")
+    shards the layer over `tp`; `parts` are this rank's (start, length) of every shard's rows
+    (column) or of the input features (row), by default an even split.
     """
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype,
-                 packable: bool = True) -> None:
+                 packable: bool = True, *, tp: TensorParallel = SINGLE, parallel: str | None = None,
+                 parts: list[tuple[int, int]] | None = None) -> None:
         super().__init__()
+        if parallel not in (None, "column", "row"):
+            raise ValueError(f"parallel must be None, 'column' or 'row', got {parallel!r}")
+        self.tp = tp
+        self.reduce = parallel == "row" and tp.size > 1  # partial outputs to sum over the ranks
+        self._reads: list[TPSlice | None] = [None] * len(shard_sizes)
+        if parallel == "column" and tp.size > 1:
+            parts = parts or [tp.split(size) for size in shard_sizes]
+            self._reads = [(0, start, length) for start, length in parts]
+            shard_sizes = [length for _, length in parts]
+        elif self.reduce:
+            start, in_features = (parts or [tp.split(in_features, "input features")])[0]
+            self._reads = [(1, start, in_features)]
         self.shard_sizes = shard_sizes
         self.packable = packable
         self.packed: torch.Tensor | None = None  # the dense weight in oneDNN's layout (`pack`)
@@ -40,15 +65,28 @@ class Linear(nn.Module):
         self.row_tile = 0  # > 0: batch-invariant, through calls of exactly this many rows (dense weight only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.reduce:
+            return self._matmul(x, self.bias)
+        y = self.tp.all_reduce(self._matmul(x, None))  # the bias once, after the sum
+        return y if self.bias is None else y.add_(self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.row_tile:
-            return tiled_linear(x, self.weight, self.bias, self.row_tile)
+            return tiled_linear(x, self.weight, bias, self.row_tile)
         dense = self.weight is not None or self.packed is not None
         if self.int4 is not None and (not dense or x.numel() <= self.int4_max_rows * x.shape[-1]):
             y = self.int4(x)
-            return y if self.bias is None else y.add_(self.bias)
+            return y if bias is None else y.add_(bias)
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+    def tp_slice(self, name: str, shard: int | None) -> TPSlice | None:
+        """The part of checkpoint tensor `name` ("weight" or "bias", of `shard`) this rank holds; None: all."""
+        read = self._reads[shard or 0]
+        if read is None or (name == "bias" and read[0] == 1):  # a row-parallel bias is whole on every rank
+            return None
+        return read
 
     def pack(self, rows_hint: int) -> bool:
         """Replace the dense bf16 weight by its oneDNN-packed form; False where there is none to pack."""

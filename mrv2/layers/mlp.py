@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.layers.linear import Linear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -15,18 +16,20 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class GatedMLP(nn.Module):
-    """down(act(x W_gate) * (x W_up)); HF's gate_proj/up_proj load as shards of `gate_up_proj`."""
+    """down(act(x W_gate) * (x W_up)); HF's gate_proj/up_proj load as shards of `gate_up_proj`.
+
+    Under tensor parallelism gate/up split the intermediate features and down sums the ranks' parts."""
 
     hf_fused = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
-                 act: str = "silu") -> None:
+                 act: str = "silu", tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
         self.act = ACTIVATIONS[act]
-        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, bias, dtype)
-        self.down_proj = Linear(intermediate_size, [hidden_size], bias, dtype)
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, bias, dtype, tp=tp, parallel="column")
+        self.down_proj = Linear(intermediate_size, [hidden_size], bias, dtype, tp=tp, parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.layers.batch_invariant import tiled_grouped_linear, tiled_linear
 from mrv2.layers.mlp import ACTIVATIONS, GatedMLP
 
@@ -130,17 +131,25 @@ def _rows(fused: torch.Tensor, proj: str) -> torch.Tensor:
 
 
 class FusedMoE(nn.Module):
-    """Routed experts stacked as w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], plus shared experts."""
+    """Routed experts stacked as w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], plus shared experts.
 
-    def __init__(self, cfg: MoEConfig, dtype: torch.dtype) -> None:
+    Under tensor parallelism every rank routes every token and holds I / tp intermediate features
+    of every expert (vLLM's tensor-parallel MoE): gate/up split by rows, down by columns, and the
+    ranks' partial outputs are summed.
+    """
+
+    def __init__(self, cfg: MoEConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
-        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.tp = tp
+        e, h = cfg.n_routed_experts, cfg.hidden_size
+        self._first, i = tp.split(cfg.moe_intermediate_size, "expert intermediate features")
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.gate = Router(cfg)
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
-        self.shared_experts = (GatedMLP(h, i * cfg.n_shared_experts, cfg.shared_bias, dtype, cfg.hidden_act)
+        self.shared_experts = (GatedMLP(h, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.shared_bias, dtype,
+                                        cfg.hidden_act, tp)
                                if cfg.n_shared_experts else None)
         self.register_buffer("expert_ids", torch.arange(e), persistent=False)
         self._expected = self._expected_names()
@@ -161,7 +170,8 @@ class FusedMoE(nn.Module):
             y = grouped_mm(self.act(gate) * up, self.w2.transpose(1, 2), offs)
         y = y * weights.flatten()[order, None]  # fp32, like transformers
         # Undo the sort (a permutation, so deterministic) and sum each token's k experts in fp32.
-        out = torch.empty_like(y).index_copy_(0, order, y).view(t, k, x.shape[1]).sum(1).to(x.dtype)
+        out = self.tp.all_reduce(torch.empty_like(y).index_copy_(0, order, y).view(t, k, x.shape[1]).sum(1))
+        out = out.to(x.dtype)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def _expected_names(self) -> set[str]:
@@ -178,6 +188,19 @@ class FusedMoE(nn.Module):
         """HF names (per-expert form, relative to `mlp.`) not loaded yet."""
         return sorted(self._expected - self._loaded)
 
+    def tp_slice(self, suffix: str, shard: int | None) -> tuple[int, int, int] | None:
+        """This rank's intermediate features of an expert tensor (the stacked gate_up is cut on load)."""
+        if self.tp.size == 1 or suffix.startswith("gate.") or suffix == "experts.gate_up_proj":
+            return None
+        n = self.w2.shape[2]
+        if suffix == "experts.down_proj":
+            return 2, self._first, n
+        if suffix.startswith("shared_experts."):
+            _, proj, kind = suffix.split(".")
+            mlp = self.shared_experts
+            return (mlp.down_proj if proj == "down_proj" else mlp.gate_up_proj).tp_slice(kind, 0)
+        return (1, self._first, n) if suffix.endswith("down_proj.weight") else (0, self._first, n)
+
     def load_hf_weight(self, suffix: str, tensor: torch.Tensor) -> bool:
         """Load one HF tensor named relative to `mlp.`; False if this module owns no such name.
 
@@ -188,6 +211,10 @@ class FusedMoE(nn.Module):
         done = [suffix]
         if suffix == "experts.gate_up_proj":
             dst = self.w13.data
+            if self.tp.size > 1:  # gate rows then up rows: this rank's part of each
+                full, n = tensor.shape[1] // 2, self.w2.shape[2]
+                tensor = torch.cat([tensor[:, self._first:self._first + n],
+                                    tensor[:, full + self._first:full + self._first + n]], dim=1)
             done = [f"experts.{x}.{p}.weight" for x in range(e) for p in _PROJS[:2]]
         elif suffix == "experts.down_proj":
             dst = self.w2.data

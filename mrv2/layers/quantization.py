@@ -67,6 +67,18 @@ class QuantizedWeight:
             w = w + mins.float()[..., None]
         return w.flatten(-2).to(dtype)
 
+    def narrow(self, dim: int, start: int, length: int) -> "QuantizedWeight":
+        """Rows (dim 0) or whole 32-weight blocks of columns (dim 1): one rank's slice under tensor parallelism."""
+        if dim == 0:
+            mins = self.mins[start:start + length] if self.mins is not None else None
+            return QuantizedWeight(self.qtype, self.codes[start:start + length], self.scales[start:start + length], mins)
+        if start % GGUF_BLOCK or length % GGUF_BLOCK:
+            raise ValueError(f"a {self.qtype} weight splits by columns only at {GGUF_BLOCK}-weight blocks, "
+                             f"not at [{start}, {start + length})")
+        b, n = start // GGUF_BLOCK, length // GGUF_BLOCK
+        mins = self.mins[:, b:b + n] if self.mins is not None else None
+        return QuantizedWeight(self.qtype, self.codes[:, start:start + length], self.scales[:, b:b + n], mins)
+
     @staticmethod
     def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
         """Stack weights of one type by rows (the shards of a fused projection)."""

@@ -117,11 +117,12 @@ def quantized_names(folder: Path) -> set[str]:
         return set((f.metadata() or {}))
 
 
-def iter_weights_keeping_quantized(folder: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """The folder's weights, those in `QUANT_FILE` as `QuantizedWeight`s, the rest from its safetensors."""
+def iter_weights_keeping_quantized(folder: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """The folder's weights, those in `QUANT_FILE` as `QuantizedWeight`s, the rest from its safetensors
+    (`lazy`: as `LazyTensor`s)."""
     from mrv2.loader.safetensors_weights import iter_safetensors_weights
 
     names = quantized_names(folder)
     if names:
         yield from iter_quantized_weights(folder)
-    yield from iter_safetensors_weights(folder, skip=names)
+    yield from iter_safetensors_weights(folder, skip=names, lazy=lazy)

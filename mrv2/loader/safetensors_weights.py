@@ -45,9 +45,29 @@ def safetensors_files(folder: str | os.PathLike) -> list[Path]:
     return files
 
 
-def iter_safetensors_weights(folder: str | os.PathLike,
-                             skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` for every tensor of the checkpoint but those in `skip`, one file at a time."""
+class LazyTensor:
+    """A checkpoint tensor not read yet: its shape, and `read` of all of it or of one slice, so that
+    a rank holding part of a layer never reads the rest. Valid until the iterator moves on."""
+
+    def __init__(self, file: Path, handle, name: str) -> None:
+        self._file, self._name = file, name
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def read(self, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The tensor, or its `part` (dim, start, length)."""
+        index = (slice(None),) if part is None else \
+            (slice(None),) * part[0] + (slice(part[1], part[1] + part[2]),)
+        try:
+            return self._slice[index]
+        except SafetensorError as exc:
+            raise CorruptCheckpointError(self._file, f"tensor {self._name}: {exc}") from exc
+
+
+def iter_safetensors_weights(folder: str | os.PathLike, skip: Collection[str] = (),
+                             lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """Yield `(name, tensor)` for every tensor of the checkpoint but those in `skip`, one file at a time;
+    `lazy`: as `LazyTensor`s, read when (and as far as) the consumer asks."""
     for file in safetensors_files(folder):
         try:
             handle = safe_open(file, framework="pt")
@@ -58,7 +78,7 @@ def iter_safetensors_weights(folder: str | os.PathLike,
                 if name in skip:
                     continue
                 try:
-                    tensor = handle.get_tensor(name)
+                    tensor = LazyTensor(file, handle, name) if lazy else handle.get_tensor(name)
                 except SafetensorError as exc:
                     raise CorruptCheckpointError(file, f"tensor {name}: {exc}") from exc
                 yield name, tensor

@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mrv2.config import QuantPolicy
+from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.kv_spec import KVCacheSpec
 from mrv2.layers.batch_invariant import ROW_TILE, tiled_linear
 from mrv2.layers.embedding import VocabEmbedding
-from mrv2.layers.linear import Linear, pack_linears
+from mrv2.layers.linear import Linear, TPSlice, pack_linears
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.packed import pack_weight, packed_linear, packing_available
 from mrv2.layers.quantization import Int4Matmul, QuantizedWeight, int4_kernel_supports
@@ -94,22 +95,24 @@ class CausalLM(nn.Module):
 
     Subclasses set `config` (with vocab_size, hidden_size, rms_norm_eps,
     tie_word_embeddings) and call `_build` with their blocks, then implement
-    `kv_cache_specs` and `estimate_activation_bytes`.
+    `kv_cache_specs` and `estimate_activation_bytes`. Under tensor parallelism (`tp`) the
+    embedding and the LM head hold this rank's vocabulary rows; logits are gathered whole.
     """
 
     config: Any
 
-    def _build(self, blocks: list[PreNormBlock], dtype: torch.dtype) -> None:
+    def _build(self, blocks: list[PreNormBlock], dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         c = self.config
         self.dtype = dtype
-        self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size, dtype)
+        self.tp = tp
+        self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         if c.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens.weight
         else:
-            self.lm_head_weight = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, dtype=dtype),
-                                               requires_grad=False)
+            self.lm_head_weight = nn.Parameter(torch.empty(self.embed_tokens.num_embeddings, c.hidden_size,
+                                                           dtype=dtype), requires_grad=False)
         self._lm_head_quantized: QuantizedWeight | None = None
         self.lm_head_int4: Int4Matmul | None = None
         self.lm_head_int4_max_rows = 0
@@ -186,6 +189,13 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
         """fp32 logits [rows, vocab]; `chunk_rows` splits the LM head by vocabulary rows (see Platform)."""
+        return self.tp.all_gather(self._local_logits(hidden, chunk_rows))
+
+    def tp_slice(self, name: str, shard: int | None) -> TPSlice | None:
+        """An untied LM head's rows: the embedding's vocabulary slice."""
+        return self.embed_tokens.tp_slice(name, shard) if name == "lm_head_weight" else None
+
+    def _local_logits(self, hidden: torch.Tensor, chunk_rows: int | None) -> torch.Tensor:
         if self.row_tile:
             return tiled_linear(hidden, self.lm_head_weight, None, self.row_tile).float()
         dense = self.lm_head_weight is not None or self.lm_head_packed is not None

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mrv2.attention.backend import AttentionBackend
+from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.kv_spec import KVCacheSpec, LayerKVCache
 from mrv2.layers.linear import Linear
 from mrv2.layers.mlp import GatedMLP
@@ -63,17 +64,26 @@ class DecoderConfig:
 
 
 class Attention(nn.Module):
-    """Self-attention over the paged KV cache, through the attention backend."""
+    """Self-attention over the paged KV cache, through the attention backend.
+
+    Under tensor parallelism each rank holds whole GQA groups: its KV heads and their query
+    heads (see `TensorParallel.split_heads`; a KV head is replicated where there are fewer
+    KV heads than ranks).
+    """
 
     hf_fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 
     def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias, dtype)
-        self.o_proj = Linear(q_size, [cfg.hidden_size], cfg.o_bias, dtype)
+        d = cfg.head_dim
+        (q_first, self.num_heads), (kv_first, self.num_kv_heads) = tp.split_heads(cfg.num_heads, cfg.num_kv_heads)
+        self.head_dim = d
+        q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        q_part, kv_part = (q_first * d, self.num_heads * d), (kv_first * d, self.num_kv_heads * d)
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias, dtype,
+                               tp=tp, parallel="column", parts=[q_part, kv_part, kv_part])
+        self.o_proj = Linear(q_size, [cfg.hidden_size], cfg.o_bias, dtype, tp=tp, parallel="row", parts=[q_part])
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.rotary = rotary
@@ -101,17 +111,19 @@ class Attention(nn.Module):
 class DecoderForCausalLM(CausalLM):
     """Llama-family decoder: GQA attention + gated MLP in every block."""
 
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype: torch.dtype,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope, dtype)
-        self._build([PreNormBlock(cfg.hidden_size, cfg.rms_norm_eps, Attention(cfg, backend, rotary, dtype),
-                                  GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, cfg.hidden_act),
-                                  dtype) for _ in range(cfg.num_layers)], dtype)
+        self._build([PreNormBlock(cfg.hidden_size, cfg.rms_norm_eps, Attention(cfg, backend, rotary, dtype, tp),
+                                  GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, cfg.hidden_act,
+                                           tp),
+                                  dtype) for _ in range(cfg.num_layers)], dtype, tp)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        c = self.config
-        return [KVCacheSpec.gqa(c.num_kv_heads, c.head_dim, c.head_dim, self.dtype)] * c.num_layers
+        attn = self.layers[0].self_attn  # this rank's KV heads
+        return [KVCacheSpec.gqa(attn.num_kv_heads, attn.head_dim, attn.head_dim, self.dtype)] * self.config.num_layers
 
     def estimate_activation_bytes(self, num_tokens: int, num_logits: int) -> int:
         c = self.config

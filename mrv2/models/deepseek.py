@@ -15,6 +15,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.attention.torch_mla import TorchMLAAttention
 from mrv2.kv_spec import KVCacheSpec, KVPart, LayerKVCache
 from mrv2.layers.linear import Linear
@@ -73,25 +74,35 @@ class DeepseekConfig:
 
 
 class MLAAttention(nn.Module):
-    """Multi-head latent attention; the backend sees latents, never full per-head keys in the cache."""
+    """Multi-head latent attention; the backend sees latents, never full per-head keys in the cache.
+
+    Under tensor parallelism each rank holds num_heads / tp heads (their query, kv_b and output
+    slices); the latent projections and the latent cache are whole on every rank.
+    """
 
     def __init__(self, cfg: DeepseekConfig, backend: TorchMLAAttention, rotary: RotaryEmbedding,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
         h, qk_dim = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        first, self.num_heads = tp.split(h, "attention heads")
+        heads = dict(tp=tp, parallel="column")
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(cfg.hidden_size, [h * qk_dim], False, dtype)
+            self.q_proj = Linear(cfg.hidden_size, [h * qk_dim], False, dtype,
+                                 parts=[(first * qk_dim, self.num_heads * qk_dim)], **heads)
         else:
             self.q_a_proj = Linear(cfg.hidden_size, [cfg.q_lora_rank], cfg.attention_bias, dtype)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
-            self.q_b_proj = Linear(cfg.q_lora_rank, [h * qk_dim], False, dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, [h * qk_dim], False, dtype,
+                                   parts=[(first * qk_dim, self.num_heads * qk_dim)], **heads)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, [cfg.kv_lora_rank + cfg.qk_rope_head_dim],
                                          cfg.attention_bias, dtype)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, [h * (cfg.qk_nope_head_dim + cfg.v_head_dim)], False, dtype,
-                                packable=False)  # `attend` reads its weight
-        self.o_proj = Linear(h * cfg.v_head_dim, [cfg.hidden_size], cfg.attention_bias, dtype)
+        kv_b_dim = cfg.qk_nope_head_dim + cfg.v_head_dim
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, [h * kv_b_dim], False, dtype,
+                                packable=False, parts=[(first * kv_b_dim, self.num_heads * kv_b_dim)],
+                                **heads)  # `attend` reads its weight
+        self.o_proj = Linear(h * cfg.v_head_dim, [cfg.hidden_size], cfg.attention_bias, dtype, tp=tp, parallel="row")
         self.rotary = rotary
         self.scale = yarn_softmax_scale(cfg.rope, qk_dim)
         self.backend = backend
@@ -99,7 +110,7 @@ class MLAAttention(nn.Module):
 
     def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Query parts q_nope [T, H, nope] and rotated q_pe [T, H, rope]; latent [T, kv_lora]; rotated k_pe [T, rope]."""
-        cfg, t, h = self.cfg, x.shape[0], self.cfg.num_heads
+        cfg, t, h = self.cfg, x.shape[0], self.num_heads
         if cfg.q_lora_rank is None:
             q = self.q_proj(x)
         else:
@@ -113,7 +124,7 @@ class MLAAttention(nn.Module):
 
     def attend(self, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor:
         cfg = self.cfg
-        w_kv_b = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w_kv_b = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return self.backend.forward_mla(*inputs, w_kv_b, self.kv_cache, attn_metadata, self.scale)
 
     def output(self, attn_out: torch.Tensor) -> torch.Tensor:
@@ -123,14 +134,16 @@ class MLAAttention(nn.Module):
 class DeepseekForCausalLM(CausalLM):
     """DeepSeek-V2 / V3 causal LM: MLA in every block, dense MLP or MoE after it."""
 
-    def __init__(self, cfg: DeepseekConfig, backend: TorchMLAAttention, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DeepseekConfig, backend: TorchMLAAttention, dtype: torch.dtype,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position, cfg.rope, dtype, cfg.rotary_style)
-        self._build([PreNormBlock(cfg.hidden_size, cfg.rms_norm_eps, MLAAttention(cfg, backend, rotary, dtype),
-                                  FusedMoE(cfg.moe, dtype) if cfg.is_moe_layer(i) else
-                                  GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, cfg.hidden_act),
-                                  dtype) for i in range(cfg.num_layers)], dtype)
+        self._build([PreNormBlock(cfg.hidden_size, cfg.rms_norm_eps, MLAAttention(cfg, backend, rotary, dtype, tp),
+                                  FusedMoE(cfg.moe, dtype, tp) if cfg.is_moe_layer(i) else
+                                  GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, cfg.hidden_act,
+                                           tp),
+                                  dtype) for i in range(cfg.num_layers)], dtype, tp)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         c = self.config

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mrv2.attention.backend import AttentionBackend
+from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.models.architectures import DECODER_ARCHITECTURES, MLA_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from mrv2.models.decoder import DecoderConfig, DecoderForCausalLM
 from mrv2.loader.errors import UnsupportedArchitectureError
@@ -27,7 +28,7 @@ def attention_kind(hf_config: Any) -> str:
 
 
 def build_model(hf_config: Any, backend: AttentionBackend, dtype: torch.dtype,
-                max_model_len: int | None = None) -> nn.Module:
+                max_model_len: int | None = None, tp: TensorParallel = SINGLE) -> nn.Module:
     """An uninitialised model for `hf_config` (weights are loaded afterwards).
 
     The shared rotary cache covers `max_model_len` positions (default: the config's
@@ -36,10 +37,10 @@ def build_model(hf_config: Any, backend: AttentionBackend, dtype: torch.dtype,
     arch = architecture_of(hf_config)
     if arch in DECODER_ARCHITECTURES:
         cfg = DecoderConfig.from_hf(hf_config)
-        return DecoderForCausalLM(replace(cfg, max_position=max_model_len or cfg.max_position), backend, dtype)
+        return DecoderForCausalLM(replace(cfg, max_position=max_model_len or cfg.max_position), backend, dtype, tp)
     if arch in MLA_ARCHITECTURES:
         from mrv2.models.deepseek import DeepseekConfig, DeepseekForCausalLM
 
         cfg = DeepseekConfig.from_hf(hf_config)
-        return DeepseekForCausalLM(replace(cfg, max_position=max_model_len or cfg.max_position), backend, dtype)
+        return DeepseekForCausalLM(replace(cfg, max_position=max_model_len or cfg.max_position), backend, dtype, tp)
     raise UnsupportedArchitectureError(arch, SUPPORTED_ARCHITECTURES)

@@ -12,6 +12,10 @@ Everything else is copied into the parameter of the same name. A `QuantizedWeigh
 (a GGUF tensor kept quantized) goes to its owner's `load_quantized(name, value)` where
 the owner has one, and is dequantized into the parameter otherwise. Unknown names, shape
 mismatches and parameters left unset all raise ValueError naming the tensor.
+
+Under tensor parallelism a module holding a slice of a tensor says which through
+`tp_slice(name, shard) -> (dim, start, length) | None`; a `LazyTensor` is then read only
+that far (a rank never reads the rest of a layer).
 """
 
 from __future__ import annotations
@@ -21,8 +25,20 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from mrv2.layers.linear import Linear
+from mrv2.layers.linear import Linear, TPSlice
 from mrv2.layers.quantization import QuantizedWeight
+from mrv2.loader.safetensors_weights import LazyTensor
+
+
+def read_part(tensor: torch.Tensor | QuantizedWeight | LazyTensor, part: TPSlice | None):
+    """`tensor`, or its `part` (dim, start, length), read from the checkpoint if it is still lazy."""
+    if isinstance(tensor, LazyTensor):
+        return tensor.read(part)
+    return tensor if part is None else tensor.narrow(*part)
+
+
+def _part_for(module: nn.Module, name: str, shard: int | None) -> TPSlice | None:
+    return module.tp_slice(name, shard) if hasattr(module, "tp_slice") else None
 
 
 def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], *,
@@ -43,7 +59,8 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor 
         while True:
             if hasattr(module, "load_hf_weight"):
                 custom[prefix] = module
-                if not module.load_hf_weight(".".join(parts), tensor):
+                suffix = ".".join(parts)
+                if not module.load_hf_weight(suffix, read_part(tensor, _part_for(module, suffix, None))):
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                 break
             fused = getattr(module, "hf_fused", {})
@@ -52,11 +69,13 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor 
                 target = f"{prefix}{child}.{parts[1]}"
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                getattr(module, child).load_shard(params[target], shard, tensor)
+                linear = getattr(module, child)
+                linear.load_shard(params[target], shard, read_part(tensor, _part_for(linear, parts[1], shard)))
                 loaded.add(f"{target}#{shard}")
                 break
             if len(parts) == 1 or not hasattr(module, parts[0]):
                 target = prefix + ".".join(parts)
+                tensor = read_part(tensor, _part_for(module, parts[0], None) if len(parts) == 1 else None)
                 if isinstance(tensor, QuantizedWeight):
                     if len(parts) == 1 and hasattr(module, "load_quantized") and module.load_quantized(parts[0], tensor):
                         loaded.add(target)

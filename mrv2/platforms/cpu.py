@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 from functools import lru_cache
 
 import torch
@@ -49,6 +50,9 @@ class CpuPlatform(Platform):
     # Host RAM is shared with everything else on the machine: unless told otherwise, the
     # cache takes at most this much (vLLM's CPU default is 4 GiB as well).
     kv_cache_cap_bytes = 4 * GiB
+    ranks_share_memory = True
+    # Tensors live in host RAM already; the exchange needs x86's store ordering.
+    shm_collectives = platform.machine() in ("x86_64", "AMD64")
 
     def is_available(self) -> bool:
         return True
@@ -128,6 +132,20 @@ class CpuPlatform(Platform):
 
     def compute_threads(self) -> int:
         return len(os.sched_getaffinity(0))
+
+    def bind_rank(self, rank: int, world_size: int) -> None:
+        # Each rank computes on its own cores: two OpenMP teams on shared cores would stall each
+        # other's collectives. With fewer cores than ranks, ranks share them.
+        cores = sorted(os.sched_getaffinity(0))
+        self._unbound_cores = cores
+        per = max(1, len(cores) // world_size)
+        start = (rank * per) % len(cores)
+        os.sched_setaffinity(0, cores[start:start + per])
+
+    def release_rank(self) -> None:
+        if (cores := getattr(self, "_unbound_cores", None)) is not None:
+            os.sched_setaffinity(0, cores)
+            self._unbound_cores = None
 
     def device_queue(self, async_scheduling: bool) -> DeviceQueue:
         # CPU ops run synchronously: a worker thread stands in for the stream, so the host

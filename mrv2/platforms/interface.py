@@ -36,6 +36,12 @@ class Platform(ABC):
     # Attention backend names (see `mrv2.attention.registry`) per attention kind, preferred first.
     # The portable torch backends run everywhere; a device lists its own kernels before them.
     attention_backends: Mapping[str, tuple[str, ...]] = MappingProxyType({"gqa": ("torch",), "mla": ("torch-mla",)})
+    # The torch.distributed backend of process groups between ranks on this device type.
+    dist_backend: str = "gloo"
+    # Whether the ranks of one machine draw on one memory (host RAM) rather than a device each.
+    ranks_share_memory: bool = False
+    # Whether ranks on one machine exchange tensors through shared memory (`distributed/shm_exchange.py`).
+    shm_collectives: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -106,6 +112,12 @@ class Platform(ABC):
         """Set host threading for this device type; `host_only`: this thread launches no device work
         (async scheduling, where the device queue has a thread of its own)."""
 
+    def bind_rank(self, rank: int, world_size: int) -> None:
+        """Give this process rank `rank`'s share of the machine (its device, or its cores)."""
+
+    def release_rank(self) -> None:
+        """Undo `bind_rank` (the engine's process outlives its ranks)."""
+
     def compute_threads(self) -> int:
         """Host threads the forward computes with (what a CPU peer engine should get to be fair)."""
         return torch.get_num_threads()
@@ -152,6 +164,9 @@ class AcceleratorPlatform(Platform):
 
     def synchronize(self) -> None:
         self._module.synchronize()
+
+    def bind_rank(self, rank: int, world_size: int) -> None:
+        self._module.set_device(rank)
 
     def pin_memory(self) -> bool:
         return True

@@ -22,6 +22,7 @@ import torch
 
 from mrv2.attention import get_attention_backend
 from mrv2.config import EngineConfig, GraphMode, QuantPolicy
+from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.engine.scheduler_output import SchedulerOutput
 from mrv2.kv_spec import KVCacheSpec
 from mrv2.models.registry import attention_kind, build_model
@@ -55,7 +56,8 @@ class ModelRunner:
     """Turns scheduler outputs into sampled tokens on one device."""
 
     def __init__(self, config: EngineConfig, platform: Platform, hf_config: Any, weights,
-                 dtype: torch.dtype, quant_policy: QuantPolicy | None = None, model_path: Path | None = None) -> None:
+                 dtype: torch.dtype, quant_policy: QuantPolicy | None = None, model_path: Path | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         self.config = config
         self.platform = platform
         self.device = platform.device
@@ -69,7 +71,7 @@ class ModelRunner:
         batch_invariant = config.model.batch_invariant
         self.attn_backend = get_attention_backend(platform, attention_kind(hf_config), batch_invariant)
         with torch.device(self.device):
-            self.model = build_model(hf_config, self.attn_backend, dtype, self.max_model_len)
+            self.model = build_model(hf_config, self.attn_backend, dtype, self.max_model_len, tp)
         self.model.load_weights(weights)
         if quant_policy is not None and (placed := self.model.finalize_quantization(quant_policy)):
             logger.info("Quantized weights: %s", placed)
