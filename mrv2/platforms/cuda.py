@@ -14,6 +14,7 @@ class CudaPlatform(AcceleratorPlatform):
     name = "cuda"
     device_type = "cuda"
     kv_alignment = 256
+    ray_resource = "GPU"
     dist_backend = "nccl"
 
     def is_available(self) -> bool:

@@ -40,6 +40,8 @@ class Platform(ABC):
     dist_backend: str = "gloo"
     # Whether the ranks of one machine draw on one memory (host RAM) rather than a device each.
     ranks_share_memory: bool = False
+    # The Ray resource one rank takes (one per placement-group bundle).
+    ray_resource: str = "CPU"
     # Whether ranks on one machine exchange tensors through shared memory (`distributed/shm_exchange.py`).
     shm_collectives: bool = False
 

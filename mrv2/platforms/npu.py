@@ -22,6 +22,7 @@ class NpuPlatform(AcceleratorPlatform):
     device_type = "npu"
     # The Ascend KV transfer engine registers 2 MiB-aligned buffers; other kernels want 512 B.
     kv_alignment = 512
+    ray_resource = "NPU"
     dist_backend = "hccl"
 
     def is_available(self) -> bool:

@@ -18,7 +18,7 @@ from mrv2.platforms import Platform
 from mrv2.runner.async_output import AsyncRunnerOutput
 
 T = TypeVar("T")
-HOST = "127.0.0.1"
+LOOPBACK = "127.0.0.1"
 
 
 class DistributedExecutor(Executor):
@@ -28,9 +28,9 @@ class DistributedExecutor(Executor):
         self.world = spec.config.parallel.tensor_parallel_size
         self.platform = platform
         self._closed = False
-        self._store = dist.TCPStore(HOST, 0, self.world, is_master=True, wait_for_workers=False,
+        self._store = dist.TCPStore(self._store_host(), 0, self.world, is_master=True, wait_for_workers=False,
                                     timeout=CONNECT_TIMEOUT)
-        self._start_workers(spec, HOST, self._store.port)
+        self._start_workers(spec, self._store_host(), self._store.port)
         try:
             platform.bind_rank(0, self.world)
             platform.configure_threads(host_only=bool(spec.config.async_scheduling))
@@ -44,6 +44,10 @@ class DistributedExecutor(Executor):
             raise
 
     # -- what subclasses provide --
+
+    def _store_host(self) -> str:
+        """The address the other ranks reach this process's store at."""
+        return LOOPBACK
 
     def _start_workers(self, spec: RunnerSpec, host: str, port: int) -> None:
         raise NotImplementedError
