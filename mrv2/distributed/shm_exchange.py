@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -34,6 +35,8 @@ class ShmExchange:
         self._shm = shared_memory.SharedMemory(name=name, create=name is None, size=size if name is None else 0)
         if name is None:
             self._shm.buf[:world * _HEADER] = bytes(world * _HEADER)
+            # Removed at close, or when this object (or the process) goes without one.
+            self._unlink = weakref.finalize(self, _unlink, self._shm)
         else:  # rank 0 owns the segment: this process's tracker must not remove it when it exits
             resource_tracker.unregister(self._shm._name, "shared_memory")
         self.name = self._shm.name
@@ -82,4 +85,11 @@ class ShmExchange:
         self._seq = self._pids = self._slots = None
         self._shm.close()
         if self.rank == 0:
-            self._shm.unlink()
+            self._unlink()
+
+
+def _unlink(shm: shared_memory.SharedMemory) -> None:
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
