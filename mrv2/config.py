@@ -329,6 +329,49 @@ class ParallelConfig:
         return self.distributed_executor_backend
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (vLLM's names): a producer computes prompts' KV and hands it
+    to a consumer, which decodes. `kv_connector` names the connector moving the KV
+    (`mrv2.distributed.kv_transfer`), `kv_connector_extra_config` holds its options."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv_connector, str) or not self.kv_connector:
+            raise ValueError(f"kv_connector must name a connector, got {self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("kv_connector_extra_config must be a dict")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_dict(cls, d: "dict | KVTransferConfig | None") -> "KVTransferConfig | None":
+        if d is None or isinstance(d, KVTransferConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"kv_transfer_config must be a dict, got {type(d).__name__}")
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown kv_transfer_config keys: {sorted(unknown)}")
+        if "kv_connector" not in d:
+            raise ValueError("kv_transfer_config needs 'kv_connector'")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine is built from."""
@@ -345,6 +388,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         if self.parallel.tensor_parallel_size > 1 and self.speculative is not None and self.speculative.uses_model:

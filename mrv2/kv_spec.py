@@ -60,3 +60,43 @@ class LayerKVCache:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.parts[name]
+
+
+@dataclass(frozen=True)
+class KVPartRegion:
+    """Where one part (K, V, MLA latent or rope key) of one layer lies in the raw allocation.
+
+    Token t of block b occupies `token_bytes` contiguous bytes at
+    base + offset + b * block_stride + t * token_stride.
+    """
+
+    layer: int
+    part: str
+    offset: int
+    block_stride: int
+    token_stride: int
+    token_bytes: int
+
+
+@dataclass(frozen=True)
+class KVRegions:
+    """The KV cache as a transfer engine registers it: one region [base, base + size), aligned to
+    `alignment` bytes, and every layer's parts inside it (see `KVPartRegion`)."""
+
+    base: int
+    size: int
+    alignment: int
+    num_blocks: int
+    block_size: int
+    parts: tuple[KVPartRegion, ...]
+
+    def block_bytes(self, block: int) -> list[tuple[int, int]]:
+        """(address, length) spans holding block `block` of every layer and part."""
+        spans = []
+        for p in self.parts:
+            start = self.base + p.offset + block * p.block_stride
+            if p.token_stride == p.token_bytes:  # the block's tokens are contiguous
+                spans.append((start, self.block_size * p.token_bytes))
+            else:
+                spans.extend((start + t * p.token_stride, p.token_bytes) for t in range(self.block_size))
+        return spans

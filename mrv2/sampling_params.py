@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 # The one greedy rule: temperatures below this are greedy, as in vLLM (dividing by them
 # would overflow). Every greedy decision (request, batch flags, sampler rows) uses it.
@@ -54,6 +54,9 @@ class SamplingParams:
     tokens and the text around them with a space when they are not skipped.
     `num_speculative_tokens` caps this request's draft tokens per step where the engine
     speculates (0: none; None: the engine's `speculative_config`).
+    `kv_transfer_params` drives prefill/decode disaggregation (vLLM's): `{"do_remote_decode":
+    true}` on a prefill instance saves the prompt's KV for a decode instance; the params
+    its output returns, given to the decode instance, load that KV instead of recomputing it.
     """
 
     n: int = 1
@@ -80,6 +83,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     num_speculative_tokens: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
     # The token sequences `bad_words` ban, set by the engine from its tokenizer (not an argument).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -95,6 +99,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise ValueError(f"kv_transfer_params must be a dict, got {type(self.kv_transfer_params).__name__}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0.0:

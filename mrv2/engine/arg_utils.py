@@ -46,6 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ranks every layer is split over (one process each; on the CPU each gets a share of the cores)")
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
                    help="how ranks run: mp (worker processes, the default) or ray (actors on a Ray cluster)")
+    g.add_argument("--kv-transfer-config", type=_json_dict, default=None,
+                   help='prefill/decode disaggregation as JSON, e.g. \'{"kv_connector": "ShmConnector", '
+                        '"kv_role": "kv_producer"}\' (roles: kv_producer, kv_consumer, kv_both)')
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -78,4 +81,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 quantization=args.quantization, enable_prefix_caching=args.enable_prefix_caching,
                 batch_invariant=args.batch_invariant, speculative_config=args.speculative_config,
                 tensor_parallel_size=args.tensor_parallel_size,
-                distributed_executor_backend=args.distributed_executor_backend)
+                distributed_executor_backend=args.distributed_executor_backend,
+                kv_transfer_config=args.kv_transfer_config)

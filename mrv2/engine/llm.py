@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Sequence
 
-from mrv2.config import (CacheConfig, EngineConfig, GraphConfig, GraphMode, ModelConfig, ParallelConfig,
-                         SchedulerConfig, SpeculativeConfig)
+from mrv2.config import (CacheConfig, EngineConfig, GraphConfig, GraphMode, KVTransferConfig, ModelConfig,
+                         ParallelConfig, SchedulerConfig, SpeculativeConfig)
 from mrv2.engine.llm_engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
 from mrv2.sampling_params import RequestOutputKind, SamplingParams
@@ -34,8 +34,11 @@ def engine_config(model: str | None = None, *, tokenizer: str | None = None, dty
                   async_scheduling: bool | None = None, quantization: str | None = "auto",
                   enable_prefix_caching: bool = True, batch_invariant: bool = False,
                   speculative_config: dict[str, Any] | None = None, tensor_parallel_size: int = 1,
-                  distributed_executor_backend: str | None = None) -> EngineConfig:
+                  distributed_executor_backend: str | None = None,
+                  kv_transfer_config: dict[str, Any] | None = None) -> EngineConfig:
     """The EngineConfig for `LLM(...)` / `AsyncLLM(...)` keyword arguments (see `LLM`)."""
+    kv_transfer_config = KVTransferConfig.from_dict(kv_transfer_config)
+    kv_transfer = kv_transfer or kv_transfer_config is not None  # a connector registers the aligned cache
     return EngineConfig(
         model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed,
                           quantization=quantization, batch_invariant=batch_invariant),
@@ -52,6 +55,7 @@ def engine_config(model: str | None = None, *, tokenizer: str | None = None, dty
         speculative=SpeculativeConfig.from_dict(speculative_config),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                 distributed_executor_backend=distributed_executor_backend),
+        kv_transfer=kv_transfer_config,
     )
 
 
@@ -79,6 +83,9 @@ class LLM:
     request and step in one forward; outputs equal those without it (see `SpeculativeConfig`).
     `tensor_parallel_size` spreads every layer over that many ranks (processes here, one per
     core share on the CPU; `distributed_executor_backend` "mp", the default, or "ray").
+    `kv_transfer_config` ({"kv_connector": "ShmConnector", "kv_role": "kv_producer" |
+    "kv_consumer" | "kv_both", "kv_connector_extra_config": {...}}) makes this engine one
+    side of prefill/decode disaggregation (see `SamplingParams.kv_transfer_params`).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

@@ -18,6 +18,7 @@ from mrv2.engine.request import Request, RequestStatus
 from mrv2.engine.scheduler import Scheduler
 from mrv2.engine.scheduler_output import SchedulerOutput
 from mrv2.distributed.executors import RankFailedError, RunnerSpec, build_executor
+from mrv2.distributed.kv_transfer import build_connector_scheduler
 from mrv2.runner.async_output import AsyncRunnerOutput
 from mrv2.runner.kv_cache import num_blocks_for_budget
 from mrv2.sample.bad_words import bad_words_token_ids
@@ -83,6 +84,10 @@ class LLMEngine:
                 quant_policy = policy
             logger.info("Quantized GGUF weights %s: %s", "kept quantized" if quant_policy else "dequantized", why)
         tp_size = config.parallel.tensor_parallel_size
+        self.kv_connector = None
+        if config.kv_transfer is not None:  # first: an unknown connector fails before the model loads
+            self.kv_connector = build_connector_scheduler(config.kv_transfer, tp_size)
+            logger.info("KV transfer: %s as %s", config.kv_transfer.kv_connector, config.kv_transfer.kv_role)
         if tp_size > 1:
             logger.info("Tensor parallelism over %d ranks (%s executor, %s process groups)", tp_size,
                         config.parallel.executor_backend, self.platform.dist_backend)
@@ -113,7 +118,7 @@ class LLMEngine:
         max_model_len = config.max_model_len
         self.scheduler = Scheduler(config.scheduler, config.cache.block_size, num_blocks, max_model_len,
                                    config.cache.enable_prefix_caching,
-                                   drafter.k if drafter is not None else 0)
+                                   drafter.k if drafter is not None else 0, self.kv_connector)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s layout, %d B aligned); max concurrency "
                     "%.1f requests of %d tokens; ready in %.1f s", num_blocks, config.cache.block_size,
                     kv.raw.numel() / 2**20, config.cache.layout, alignment,
@@ -299,6 +304,8 @@ class LLMEngine:
             except Exception:  # noqa: BLE001 - shutting down: the step's requests just end
                 self.scheduler.fail_step(sched)
         self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def target_logprobs(self, token_ids: list[int]) -> torch.Tensor:
         """log p(token_ids[i + 1] | token_ids[:i + 1]) for every i (see `ModelRunner.target_logprobs`)."""

@@ -152,7 +152,7 @@ class OutputProcessor:
                 state.prompt_logprobs_sent = True
             if state.parent is None:
                 outputs.append(RequestOutput(request.req_id, request.prompt, request.prompt_token_ids,
-                                             [completion], finished, prompt_logprobs))
+                                             [completion], finished, prompt_logprobs, request.kv_transfer_params))
             elif (out := self._parent_output(state.parent, completion, finished, state.kind,
                                              prompt_logprobs)) is not None:
                 outputs.append(out)

@@ -41,3 +41,5 @@ class RequestOutput:
     finished: bool = False
     # Per prompt token when asked for (the first is None: nothing predicts it); in the first output.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Set on a finished prefill-instance request: what a decode instance needs to load its KV.
+    kv_transfer_params: dict | None = None

@@ -91,6 +91,8 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks of `block_ids` already registered in the cache
         # Draft tokens proposed for the next step (verified there, then cleared).
         self.spec_token_ids: list[int] = []
+        # What a KV connector hands on once this request ends (a prefill instance's transfer), or None.
+        self.kv_transfer_params: dict | None = None
 
     @property
     def hash_salt(self) -> bytes:

@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from mrv2.config import SchedulerConfig
+from mrv2.distributed.kv_transfer import KVConnectorScheduler
 from mrv2.engine.block_pool import BlockPool
 from mrv2.engine.kv_cache_manager import KVCacheManager
 from mrv2.engine.request import Request, RequestStatus, validate_prompt_length
@@ -34,10 +35,15 @@ class Scheduler:
     step of its is in flight keeps its blocks until that step's output is processed;
     a preempted one is not readmitted before then. A request that will reach
     `max_tokens` or `max_model_len` with its placeholders is not scheduled again.
+
+    With a KV connector (prefill/decode disaggregation), a new request's prompt tokens whose
+    KV another instance computed count as computed, like prefix-cache hits; the runner's
+    connector loads them into their blocks before the step's forward.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, block_size: int, num_gpu_blocks: int,
-                 max_model_len: int, enable_prefix_caching: bool = False, num_device_drafts: int = 0) -> None:
+                 max_model_len: int, enable_prefix_caching: bool = False, num_device_drafts: int = 0,
+                 kv_connector: KVConnectorScheduler | None = None) -> None:
         if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) must be at least "
@@ -62,6 +68,7 @@ class Scheduler:
         # that samples: the scheduler verifies them as placeholders (the runner reads their ids from
         # the slot's history) and allocates as many KV positions ahead, which the drafter writes.
         self.num_device_drafts = num_device_drafts
+        self.kv_connector = kv_connector
 
     # Requests in and out.
 
@@ -165,17 +172,23 @@ class Scheduler:
             # A request without blocks (new, or preempted) starts after its longest cached prefix.
             computed = self.kv_cache_manager.get_computed_blocks(request) if not request.block_ids else []
             num_hit = len(computed) * self.block_size
-            num_new = request.num_tokens - num_hit
+            external = 0
+            if self.kv_connector is not None and not request.block_ids:
+                external = self.kv_connector.get_num_new_matched_tokens(request, num_hit)
+            num_new = request.num_tokens - num_hit - external
             if num_new > budget:
                 if not chunked:
                     break
                 num_new = budget
             request.num_computed_tokens = num_hit
-            if self.kv_cache_manager.allocate_slots(request, num_new + self._lookahead(request, num_new),
+            if self.kv_cache_manager.allocate_slots(request, external + num_new + self._lookahead(request, external + num_new),
                                                     computed) is None:
                 request.num_computed_tokens = 0
                 break
             self.kv_cache_manager.record_lookup(request.num_tokens, num_hit)
+            if external:
+                self.kv_connector.update_state_after_alloc(request, external)
+                request.num_computed_tokens += external
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -209,6 +222,8 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             sampled_req_ids=frozenset(sampled),
             scheduled_spec_decode_tokens=spec,
+            kv_connector_metadata=None if self.kv_connector is None else
+            self.kv_connector.build_connector_meta(num_scheduled, self.requests),
         )
         self.finished_req_ids = set()
         return output
@@ -299,6 +314,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if self.kv_connector is not None:
+            request.kv_transfer_params = self.kv_connector.request_finished(request)
         del self.requests[request.req_id]
         if request.num_steps_in_flight:
             self._draining[request.req_id] = request

@@ -9,6 +9,7 @@ comes back later as a new request carrying all its tokens so far.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from mrv2.engine.request import TokenLogprobs
 from mrv2.sampling_params import SamplingParams
@@ -52,6 +53,8 @@ class SchedulerOutput:
     # Draft tokens to verify, per decode request: it is scheduled 1 + len(drafts) tokens
     # (its last token and the drafts) and samples at each of them.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The KV connector's work for every rank this step (prefill/decode disaggregation), or None.
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:

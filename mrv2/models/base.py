@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mrv2.config import QuantPolicy
+from mrv2.distributed.kv_transfer.base import KVConnectorWorker
 from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.kv_spec import KVCacheSpec
 from mrv2.layers.batch_invariant import ROW_TILE, tiled_linear
@@ -119,6 +120,8 @@ class CausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None  # the dense LM head in oneDNN's layout
         self.row_tile = 0  # > 0: batch-invariant LM head (`make_batch_invariant`)
         self.aux_hidden: torch.Tensor | None = None  # see `keep_aux_hidden`
+        # Prefill/decode disaggregation: told around every attention call over the cache.
+        self.kv_connector: KVConnectorWorker | None = None
         self._aux_columns: dict[int, slice] = {}
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
@@ -177,7 +180,12 @@ class CausalLM(nn.Module):
 
     def attend(self, i: int, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor:
         """Attention call i over the KV cache (`attn_metadata` None: causal over the tokens, no cache)."""
-        return self.layers[i].self_attn.attend(inputs, attn_metadata)
+        if self.kv_connector is None or attn_metadata is None:
+            return self.layers[i].self_attn.attend(inputs, attn_metadata)
+        self.kv_connector.wait_for_layer_load(i)
+        out = self.layers[i].self_attn.attend(inputs, attn_metadata)
+        self.kv_connector.save_kv_layer(i)  # layer i's KV for this step is written: it can travel now
+        return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         x, residual = input_ids, None

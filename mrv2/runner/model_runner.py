@@ -12,7 +12,7 @@ sampling logic live in their own packages.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -22,6 +22,7 @@ import torch
 
 from mrv2.attention import get_attention_backend
 from mrv2.config import EngineConfig, GraphMode, QuantPolicy
+from mrv2.distributed.kv_transfer import KVConnectorMetadata, KVConnectorWorker, build_connector_worker
 from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.engine.scheduler_output import SchedulerOutput
 from mrv2.kv_spec import KVCacheSpec
@@ -94,6 +95,10 @@ class ModelRunner:
                 logger.info("Dense weights of %d linear layers prepacked for oneDNN (batches of ~%d rows)",
                             packed, rows)
         self.model.eval()
+        # Prefill/decode disaggregation: the model saves (and waits for loads) per attention call through it.
+        self.kv_connector: KVConnectorWorker | None = None
+        if config.kv_transfer is not None:
+            self.kv_connector = self.model.kv_connector = build_connector_worker(config.kv_transfer, tp.rank)
 
         max_blocks = -(-self.max_model_len // self.block_size)
         self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device, pin,
@@ -187,6 +192,11 @@ class ModelRunner:
         layers = self.model.attention_layers() + (self.drafter.head.attention_layers() if self.drafter else [])
         for layer, cache in zip(layers, self.kv_cache.layers, strict=True):
             layer.kv_cache = cache
+        if self.kv_connector is not None:  # the target's layers travel; a drafter's stay
+            regions = self.kv_cache.regions()
+            target = len(self.model.attention_layers())
+            self.kv_connector.register_kv_caches(self.kv_cache.raw, replace(
+                regions, parts=tuple(p for p in regions.parts if p.layer < target)))
         return self.kv_cache
 
     def capture_graphs(self) -> None:
@@ -228,8 +238,8 @@ class ModelRunner:
             writes = self._apply_scheduler_diffs(sched)
             if sched.is_empty:
                 self._pending = None
-                if writes:
-                    self._launch(partial(apply_writes, writes))
+                if writes or sched.kv_connector_metadata is not None:
+                    self._launch(partial(self._idle_step, writes, sched.kv_connector_metadata))
                 return
             req_ids, idx, num_scheduled = self._batch_order(sched)
             seq_lens = self.states.num_computed_cpu[idx] + num_scheduled
@@ -244,15 +254,22 @@ class ModelRunner:
                 scored = plan_prompt_logprobs(req_ids, idx, num_scheduled, self.states.num_computed_cpu[idx],
                                               plan.query_start_loc_cpu, self.sampling.prompt_len_cpu[idx], wanted)
             self.states.advance_host(idx, num_scheduled, plan.num_drafts_cpu if drafts else None)
-        forward = self._launch(partial(self._forward, writes, plan, desc, scored))
+        forward = self._launch(partial(self._forward, writes, plan, desc, scored, sched.kv_connector_metadata))
         self._pending = _PendingStep(plan, forward, flags, scored)
         self.timing.steps += 1
 
+    def _idle_step(self, writes: list[StagedWrite], kv_meta: KVConnectorMetadata | None) -> None:
+        apply_writes(writes)
+        if self.kv_connector is not None:
+            self.kv_connector.start_load_kv(kv_meta)
+
     def _forward(self, writes: list[StagedWrite], plan: StepPlan, desc: BatchDescriptor | None,
-                 scored: PromptLogprobsPlan | None) -> _ForwardResult:
+                 scored: PromptLogprobsPlan | None, kv_meta: KVConnectorMetadata | None = None) -> _ForwardResult:
         """Device work of one step up to the logits (and the prompt logprobs asked for)."""
         with self.timing.phase("forward"):
             apply_writes(writes)
+            if self.kv_connector is not None:
+                self.kv_connector.start_load_kv(kv_meta)
             batch = self.inputs.gather(plan, self.states, self.block_tables)
             attn_metadata = None
             if desc:
@@ -264,6 +281,8 @@ class ModelRunner:
             prompt_scores = None if scored is None else score_prompt(
                 scored, hidden, self.states.token_ids,
                 partial(self.model.compute_logits, chunk_rows=self.platform.logits_chunk_rows), self.device)
+            if self.kv_connector is not None:
+                self.kv_connector.wait_for_save()
         return _ForwardResult(batch, logits, prompt_scores, hidden, attn_metadata)
 
     def sample_tokens(self) -> AsyncRunnerOutput:
@@ -381,6 +400,8 @@ class ModelRunner:
     def close(self) -> None:
         """Finish launched work and stop the device queue."""
         self.queue.close()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
 
 @dataclass(frozen=True)
