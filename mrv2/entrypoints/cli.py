@@ -167,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
+    from mrv2.entrypoints.proxy import add_proxy_args, run_proxy
+
+    prx = sub.add_parser("proxy", help="prefill/decode disaggregation: each request to a prefill, then a decode instance")
+    add_proxy_args(prx)
+    prx.set_defaults(func=run_proxy)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     benches = (("throughput", "offline throughput: N prompts x M output tokens"),

@@ -61,6 +61,8 @@ class _SamplingRequest(BaseModel):
     bad_words: list[str] | None = None
     # Requests share cached prefix blocks only with requests of the same salt (vLLM's field).
     cache_salt: str | None = Field(default=None, min_length=1)
+    # Prefill/decode disaggregation (vLLM's field): see SamplingParams.kv_transfer_params.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _unsupported(self) -> dict[str, Any]:
         """Fields set to a value mrv2 cannot honour yet (name -> neutral value)."""
@@ -103,7 +105,7 @@ class _SamplingRequest(BaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 logprobs=self._logprobs(), prompt_logprobs=self._prompt_logprobs(),
-                output_kind=RequestOutputKind.DELTA)
+                output_kind=RequestOutputKind.DELTA, kv_transfer_params=self.kv_transfer_params)
         except ValueError as e:
             raise InvalidRequest(str(e), str(e).split(" ", 1)[0]) from None
 

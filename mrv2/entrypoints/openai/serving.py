@@ -121,12 +121,12 @@ class _Merged:
 
 
 async def _choices(streams: list[AsyncIterator[RequestOutput]],
-                   n: int) -> AsyncIterator[tuple[int, int, Any, list | None]]:
-    """(choice index, prompt index, completion, prompt logprobs) for each new completion of the requests'
+                   n: int) -> AsyncIterator[tuple[int, int, Any, RequestOutput]]:
+    """(choice index, prompt index, completion, its request output) for each new completion of the requests'
     outputs: choice `p * n + k` is completion k of prompt p."""
     async for i, out in _Merged(streams):
         for c in out.outputs:
-            yield i * n + c.index, i, c, out.prompt_logprobs
+            yield i * n + c.index, i, c, out
 
 
 class OpenAIServing:
@@ -197,7 +197,8 @@ class OpenAIServing:
                 completion_tokens = [0] * num_choices
                 echoed = [not body.echo] * num_choices
                 offsets = [0] * num_choices
-                async for j, i, c, prompt_lps in _choices(streams, body.n):
+                async for j, i, c, out in _choices(streams, body.n):
+                    prompt_lps = out.prompt_logprobs
                     completion_tokens[j] += len(c.token_ids)
                     logprobs = None
                     if c.logprobs is not None:
@@ -215,7 +216,7 @@ class OpenAIServing:
 
             return _event_stream(events())
 
-        finals, prompt_lps = await self._collect(streams, body.n, raw)
+        finals, prompt_lps, kv_params = await self._collect(streams, body.n, raw)
         choices = []
         for j, (text, token_ids, finish, stop_reason, logprobs) in enumerate(finals):
             i = j // body.n
@@ -229,8 +230,8 @@ class OpenAIServing:
                 choice["prompt_logprobs"] = prompt_logprobs_json(prompt_lps[i])
             choices.append(choice)
         return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                             "choices": choices,
-                             "usage": self._usage(prompt_lens, [len(f[1]) for f in finals])})
+                             "choices": choices, "usage": self._usage(prompt_lens, [len(f[1]) for f in finals]),
+                             "kv_transfer_params": kv_params})
 
     # -- chat --
 
@@ -276,13 +277,14 @@ class OpenAIServing:
 
             return _event_stream(events())
 
-        finals, prompt_lps = await self._collect(streams, body.n, raw)
+        finals, prompt_lps, kv_params = await self._collect(streams, body.n, raw)
         choices = [{"index": j, "message": {"role": "assistant", "content": text},
                     "logprobs": None if logprobs is None else chat_logprobs(token_ids, logprobs, body.top_logprobs or 0),
                     "finish_reason": finish, "stop_reason": stop_reason}
                    for j, (text, token_ids, finish, stop_reason, logprobs) in enumerate(finals)]
         response = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                    "choices": choices, "usage": self._usage(prompt_lens, [len(f[1]) for f in finals])}
+                    "choices": choices, "usage": self._usage(prompt_lens, [len(f[1]) for f in finals]),
+                    "kv_transfer_params": kv_params}
         if body.prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs_json(prompt_lps[0])
         return JSONResponse(response)
@@ -290,19 +292,23 @@ class OpenAIServing:
     # -- shared --
 
     async def _collect(self, streams: list[AsyncIterator[RequestOutput]], n: int,
-                       raw: Request) -> tuple[list[tuple], list[list | None]]:
+                       raw: Request) -> tuple[list[tuple], list[list | None], dict | None]:
         """Run the requests to the end: one (text, token ids, finish reason, stop reason, logprobs) per choice,
-        and each prompt's logprobs (None unless asked); a client that disconnects meanwhile aborts them."""
+        each prompt's logprobs (None unless asked), and the first prompt's `kv_transfer_params` (a prefill
+        instance's handover, else None); a client that disconnects meanwhile aborts them."""
         num = len(streams) * n
         prompt_logprobs: list[list | None] = [None] * len(streams)
         texts, tokens = [""] * num, [[] for _ in range(num)]
         logprobs: list[list | None] = [None] * num
         finals: list[tuple] = [("", [], None, None, None)] * num
+        kv_params = None
         choices = _choices(streams, n)
         try:
-            async for j, i, c, prompt_lps in choices:
-                if prompt_lps is not None:
-                    prompt_logprobs[i] = prompt_lps
+            async for j, i, c, out in choices:
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[i] = out.prompt_logprobs
+                if i == 0 and out.kv_transfer_params is not None:
+                    kv_params = out.kv_transfer_params
                 texts[j] += c.text
                 tokens[j] += c.token_ids
                 if c.logprobs is not None:
@@ -312,7 +318,7 @@ class OpenAIServing:
                     raise asyncio.CancelledError
         finally:
             await choices.aclose()
-        return finals, prompt_logprobs
+        return finals, prompt_logprobs, kv_params
 
     @staticmethod
     def _usage(prompt_lens: list[int], completion_lens: list[int]) -> dict[str, int]:
