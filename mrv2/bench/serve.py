@@ -168,28 +168,29 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 class ServerProcess:
-    """`mrv2 serve SERVE_ARGS` in a child process on a free loopback port; `url` once /health answers.
+    """`mrv2 serve SERVE_ARGS` (or another serving `command`, such as `proxy`) in a child process on a
+    free loopback port; `url` once /health answers.
 
     Its output (stdout and stderr) goes to a temporary file, read by `output()`.
     """
 
-    def __init__(self, serve_args: list[str], start_timeout: float = 600.0) -> None:
+    def __init__(self, serve_args: list[str], start_timeout: float = 600.0, command: str = "serve") -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.TemporaryFile("w+")
-        cmd = [sys.executable, "-m", "mrv2.entrypoints.cli", "serve", "--port", str(self.port), *serve_args]
+        cmd = [sys.executable, "-m", "mrv2.entrypoints.cli", command, "--port", str(self.port), *serve_args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ValueError(f"mrv2 serve exited: {self.output()[-2000:]}")
+                raise ValueError(f"mrv2 {command} exited: {self.output()[-2000:]}")
             try:
                 if urllib.request.urlopen(self.url + "/health", timeout=1).status == 200:
                     return
             except OSError:
                 time.sleep(0.2)
         self.stop()
-        raise ValueError(f"mrv2 serve did not become healthy within {start_timeout:.0f} s")
+        raise ValueError(f"mrv2 {command} did not become healthy within {start_timeout:.0f} s")
 
     def output(self) -> str:
         self._log.seek(0)

@@ -161,21 +161,21 @@ class ShmConnectorScheduler(KVConnectorScheduler):
             for name in names:
                 remove_segment(name)
             return None
-        timer = threading.Timer(self.timeout_s, self._expire, (tid, names))
+        timer = threading.Timer(self.timeout_s, self._expire, (tid, names, self.timeout_s))
         timer.daemon = True
         with self._lock:
             self._timers[tid] = timer
         timer.start()
         return {"do_remote_prefill": True, "transfer_id": tid, "num_tokens": saved, "prompt_hash": h}
 
-    def _expire(self, tid: str, names: list[str]) -> None:
+    def _expire(self, tid: str, names: list[str], timeout_s: float) -> None:
         with self._lock:
             self._timers.pop(tid, None)
         if any([remove_segment(n) for n in names]):
-            logger.warning("KV transfer %s was not claimed within %.0f s: removed", tid, self.timeout_s)
+            logger.warning("KV transfer %s was not claimed within %g s: removed", tid, timeout_s)
 
     def pending_transfers(self) -> list[str]:
-        """Transfers handed on and not yet claimed or expired (segments may already be gone)."""
+        """Transfers handed on whose expiry is still to come (a consumer may have claimed them meanwhile)."""
         with self._lock:
             return list(self._timers)
 
