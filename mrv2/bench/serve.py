@@ -7,6 +7,10 @@ generating exactly `--output-len` tokens (`ignore_eos`). Per load level it repor
 request throughput, output tok/s and TTFT / TPOT / ITL percentiles, writes them as
 JSON and draws latency against load (PNG). Without `--url` it starts `mrv2 serve`
 with the engine options given, on a free loopback port, and stops it afterwards.
+
+`--pd` measures prefill/decode disaggregation side by side: the same load against one
+instance, then against a prefill instance and a decode instance (ShmConnector, the same
+engine options each) behind `mrv2 proxy`, with the ratios of throughput and TTFT.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench-seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG of latency against load here")
+    p.add_argument("--pd", action="store_true",
+                   help="also run prefill + decode instances behind `mrv2 proxy` and compare with one instance")
 
 
 @dataclass
@@ -237,38 +243,83 @@ def plot(levels: dict[str, dict[str, Any]], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+PD_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+class PDDeployment:
+    """A prefill and a decode instance (ShmConnector) with the given engine options, behind `mrv2 proxy`."""
+
+    def __init__(self, engine_argv: list[str]) -> None:
+        self.servers: list[ServerProcess] = []
+        try:
+            for role in PD_ROLES.values():
+                config = json.dumps({"kv_connector": "ShmConnector", "kv_role": role})
+                self.servers.append(ServerProcess(engine_argv + ["--kv-transfer-config", config]))
+            self.servers.append(ServerProcess(["--prefill", self.servers[0].url, "--decode", self.servers[1].url],
+                                              command="proxy"))
+        except BaseException:
+            self.stop()
+            raise
+        self.url = self.servers[-1].url
+
+    def stop(self) -> None:
+        for server in reversed(self.servers):
+            server.stop()
+
+
+def _measure(url: str, args: argparse.Namespace, levels: list[int], label: str) -> tuple[str, dict[str, Any]]:
+    model = args.served_model or _server_model(url, args.api_key)
+    results: dict[str, dict[str, Any]] = {}
+    for level in levels:
+        n = args.num_prompts or max(8, 4 * level)
+        prompts = _prompts(args, n)
+        asyncio.run(run_load(url, args.api_key, model, prompts[:min(n, level)], args.output_len, level,
+                             None, args.bench_seed))  # warm-up
+        requests, wall = asyncio.run(run_load(url, args.api_key, model, prompts, args.output_len, level,
+                                              args.request_rate, args.bench_seed))
+        summary = results[str(level)] = summarize(requests, wall)
+        print(f"{label}concurrency {level:3d}: {summary['request_throughput']:.2f} req/s  "
+              f"{summary['output_tok_s']:.1f} output tok/s  "
+              + "  ".join(f"{m.split('_')[0].upper()} p50/p90/p99 "
+                          + "/".join(f"{summary[m][f'p{p}']:.1f}" for p in PERCENTILES) + " ms"
+                          for m in ("ttft_ms", "tpot_ms", "itl_ms") if summary[m])
+              + (f"  FAILED {summary['failed']}: {summary['errors']}" if summary["failed"] else ""),
+              flush=True)
+    return model, results
+
+
 def run(args: argparse.Namespace) -> int:
     levels = [int(c) for c in args.concurrency.split(",") if c]
     if not levels or min(levels) < 1:
         raise ValueError(f"--concurrency must list positive integers, got {args.concurrency!r}")
+    if args.pd and args.url:
+        raise ValueError("--pd starts its own instances: drop --url")
     server = None if args.url else ServerProcess(_engine_argv(args))
-    url = args.url or server.url
     try:
-        model = args.served_model or _server_model(url, args.api_key)
-        results: dict[str, dict[str, Any]] = {}
-        for level in levels:
-            n = args.num_prompts or max(8, 4 * level)
-            prompts = _prompts(args, n)
-            asyncio.run(run_load(url, args.api_key, model, prompts[:min(n, level)], args.output_len, level,
-                                 None, args.bench_seed))  # warm-up
-            requests, wall = asyncio.run(run_load(url, args.api_key, model, prompts, args.output_len, level,
-                                                  args.request_rate, args.bench_seed))
-            summary = results[str(level)] = summarize(requests, wall)
-            print(f"concurrency {level:3d}: {summary['request_throughput']:.2f} req/s  "
-                  f"{summary['output_tok_s']:.1f} output tok/s  "
-                  + "  ".join(f"{m.split('_')[0].upper()} p50/p90/p99 "
-                              + "/".join(f"{summary[m][f'p{p}']:.1f}" for p in PERCENTILES) + " ms"
-                              for m in ("ttft_ms", "tpot_ms", "itl_ms") if summary[m])
-                  + (f"  FAILED {summary['failed']}: {summary['errors']}" if summary["failed"] else ""),
-                  flush=True)
+        model, results = _measure(args.url or server.url, args, levels, "one instance " if args.pd else "")
     finally:
         if server is not None:
             server.stop()
+    pd_results = None
+    if args.pd:
+        pd = PDDeployment(_engine_argv(args))
+        try:
+            _, pd_results = _measure(pd.url, args, levels, "prefill+decode ")
+        finally:
+            pd.stop()
+        for level in map(str, levels):
+            one, two = results[level], pd_results[level]
+            if one["ttft_ms"] and two["ttft_ms"]:
+                print(f"concurrency {level:>3}: prefill+decode / one instance: output tok/s "
+                      f"{two['output_tok_s'] / one['output_tok_s']:.2f}x, TTFT p50 "
+                      f"{two['ttft_ms']['p50'] / one['ttft_ms']['p50']:.2f}x", flush=True)
     setup = {"url": args.url or "local mrv2 serve", "model": model, "input_len": args.input_len,
              "output_len": args.output_len, "dataset": args.dataset, "request_rate": args.request_rate}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"setup": setup, "levels": results}, f, indent=2)
+            json.dump({"setup": setup, "levels": results} | ({"pd_levels": pd_results} if pd_results else {}),
+                      f, indent=2)
     if args.plot:
         plot(results, args.plot, f"{model}: {args.input_len} -> {args.output_len} tokens")
-    return 0 if all(r["failed"] == 0 for r in results.values()) else 1
+    everything = list(results.values()) + list((pd_results or {}).values())
+    return 0 if all(r["failed"] == 0 for r in everything) else 1

@@ -15,6 +15,8 @@ Prompts are random token ids of a fixed length (seeded), generation is greedy wi
   of the per-pair ratios. Each side also reports the share of wall time its host thread
   spent waiting for the device (serially on the CPU that is all device work; with
   async scheduling only the time blocked on sampled ids).
+- `--compare tp`: the same, between `--tensor-parallel-size N` (2 when not given) and one
+  rank, with the same engine options otherwise.
 """
 
 from __future__ import annotations
@@ -26,6 +28,17 @@ import time
 import numpy as np
 
 
+def _tp_pair(kwargs: dict) -> list[tuple[str, dict]]:
+    n = kwargs.get("tensor_parallel_size") or 1
+    n = n if n > 1 else 2
+    return [(f"tp{n}", {"tensor_parallel_size": n}), ("tp1", {"tensor_parallel_size": 1})]
+
+
+# mrv2 against itself with one option changed: (name, options) of the two engines, the first the ratio's numerator.
+SELF_PAIRS = {"async": lambda kwargs: [("async", {"async_scheduling": True}), ("serial", {"async_scheduling": False})],
+              "tp": _tp_pair}
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--batch-sizes", default=None,
@@ -34,7 +47,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--compare", default=None,
                    help="comma-separated: hf (transformers generate), llama.cpp (llama-cpp-python on the same GGUF); "
-                        "or async alone (async scheduling on vs off)")
+                        "or async alone (async scheduling on vs off), or tp alone (--tensor-parallel-size vs 1)")
     p.add_argument("--repeat", type=int, default=1, help="timed runs of each engine (the median is reported)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--plot", default=None, help="also draw output tok/s against batch size per engine to this PNG")
@@ -48,11 +61,12 @@ def _compared(args: argparse.Namespace) -> list[str]:
     if not args.compare:
         return []
     names = [c.strip() for c in args.compare.split(",")]
-    unknown = [c for c in names if c not in (*PEERS, "async")]
+    unknown = [c for c in names if c not in (*PEERS, *SELF_PAIRS)]
     if unknown:
-        raise ValueError(f"--compare: unknown engine {unknown[0]!r}; choose from hf, llama.cpp, async")
-    if "async" in names and len(names) > 1:
-        raise ValueError("--compare async compares mrv2 with itself; it does not combine with other engines")
+        raise ValueError(f"--compare: unknown engine {unknown[0]!r}; choose from hf, llama.cpp, async, tp")
+    if any(n in SELF_PAIRS for n in names) and len(names) > 1:
+        raise ValueError(f"--compare {names[0] if names[0] in SELF_PAIRS else names[1]} compares mrv2 with "
+                         f"itself; it does not combine with other engines")
     return names
 
 
@@ -82,9 +96,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = _batch_sizes(args)
     compare = _compared(args)
     kwargs = engine_kwargs(args)
-    if compare == ["async"]:
-        engines = {"async": IsolatedEngine(kwargs | {"async_scheduling": True}),
-                   "serial": IsolatedEngine(kwargs | {"async_scheduling": False})}
+    if compare and compare[0] in SELF_PAIRS:
+        engines = {name: IsolatedEngine(kwargs | options) for name, options in SELF_PAIRS[compare[0]](kwargs)}
     else:
         engines = {"mrv2": LocalEngine(LLM(**kwargs))}
     try:
@@ -129,14 +142,15 @@ def _measure(args: argparse.Namespace, sizes: list[int], compare: list[str], eng
                             "async_scheduling": engines[name].info.async_scheduling}
             print(f"batch {b:3d} {name:9s}: {total_out / t:8.1f} output tok/s  total {t:6.2f} s  "
                   f"host waits for the device {100 * result[name]['host_wait_share']:5.1f}% of the time")
-        if compare == ["async"]:
-            pair_ratios = [s.seconds / a.seconds for a, s in zip(runs["async"], runs["serial"])]
+        if compare and compare[0] in SELF_PAIRS:
+            first, second = engines
+            pair_ratios = [s.seconds / a.seconds for a, s in zip(runs[first], runs[second])]
             ratio = float(np.median(pair_ratios))
-            same = sum(x == y for x, y in zip(runs["async"][-1].token_ids, runs["serial"][-1].token_ids))
-            result["ratio_async_over_serial"] = ratio
+            same = sum(x == y for x, y in zip(runs[first][-1].token_ids, runs[second][-1].token_ids))
+            result[f"ratio_{first}_over_{second}"] = ratio
             result["pair_ratios"] = pair_ratios
             result["identical_completions"] = same
-            print(f"batch {b:3d} ratio async/serial throughput: {ratio:.3f}x (median of {args.repeat} pairs, "
+            print(f"batch {b:3d} ratio {first}/{second} throughput: {ratio:.3f}x (median of {args.repeat} pairs, "
                   f"each engine in its own process; identical greedy completions: {same}/{b})")
         ours = runs["mrv2"][-1].token_ids if "mrv2" in runs else []
         for name, peer in peers.items():
@@ -151,7 +165,7 @@ def _measure(args: argparse.Namespace, sizes: list[int], compare: list[str], eng
         peer.close()
     if len(engines) + len(peers) > 1:
         print()
-        print(report.table(results, "mrv2" if "mrv2" in engines else "async"))
+        print(report.table(results, "mrv2" if "mrv2" in engines else next(iter(engines))))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": workload, "results": results}, f, indent=2)

@@ -130,3 +130,27 @@ def test_bad_parallel_settings_are_refused():
         LLM(tensor_parallel_size=2, distributed_executor_backend="threads")
     with pytest.raises(ValueError, match="does not run with tensor_parallel_size > 1"):
         LLM(tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "x"})
+
+
+def test_a_step_that_fails_on_rank_0_stops_the_engine_cleanly(tiny_checkpoint):
+    # The other rank ran (or waits inside) the failed step: the engine refuses to go on out of step,
+    # and its shutdown does not wait on the stuck worker.
+    path, _ = tiny_checkpoint("llama", tied=False)
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, max_model_len=256, kv_cache_memory=8 << 20)
+    model = llm.engine.runner.model
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected fault on rank 0")
+
+    model.forward = failing
+    try:
+        with pytest.raises(RuntimeError, match="injected fault on rank 0"):
+            _greedy(llm, TINY_PROMPTS[:1])
+        del model.forward
+        with pytest.raises(RankFailedError, match="out of step"):
+            _greedy(llm, TINY_PROMPTS[:1])
+    finally:
+        start = time.monotonic()
+        llm.engine.shutdown()
+    assert time.monotonic() - start < 10
+    assert all(p.poll() is not None for p in llm.engine.executor._procs)

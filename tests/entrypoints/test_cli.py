@@ -194,3 +194,15 @@ def test_bench_latency_reports_ttft_and_tpot(tmp_path: Path):
     assert "time to first token" in r.stdout and "time per output token" in r.stdout
     result = json.loads(out.read_text())
     assert len(result["runs"]) == 2 and result["ttft_s"] > 0 and result["tpot_s"] > 0
+
+
+def test_bench_throughput_compares_tensor_parallel_with_one_rank(tmp_path: Path, tiny_checkpoint):
+    out = tmp_path / "bench.json"
+    model, _ = tiny_checkpoint("llama", tied=False)
+    r = run("bench", "throughput", "--model", str(model), "--batch-sizes", "2", "--input-len", "8", "--output-len",
+            "6", "--compare", "tp", "--json", str(out), "--max-model-len", "256", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())["results"]["2"]
+    assert res["identical_completions"] == 2  # fp32: two ranks give one rank's tokens
+    assert res["ratio_tp2_over_tp1"] == pytest.approx(res["pair_ratios"][0])
+    assert "ratio tp2/tp1" in r.stdout

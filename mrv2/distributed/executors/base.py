@@ -53,9 +53,11 @@ class Executor:
         return getattr(self.driver, method)(*args)
 
     def execute_model(self, sched: SchedulerOutput) -> None:
+        """Launch a step; `sample_tokens()` must follow at once unless the schedule is empty."""
         self.call("execute_model", sched)
 
     def sample_tokens(self) -> AsyncRunnerOutput:
+        """The launched step's sampled output (on every rank; `get()` waits for rank 0's)."""
         return self.driver.sample_tokens()
 
     def check_health(self) -> None:

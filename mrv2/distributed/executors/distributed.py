@@ -10,10 +10,9 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from mrv2.distributed.executors.base import Executor, RankFailedError, RunnerSpec, load_runner
-from mrv2.distributed.executors.worker import (CONNECT_TIMEOUT, GET_OUTPUT, SAMPLE, SHUTDOWN, RankGroups,
-                                               join_groups)
+from mrv2.distributed.executors.worker import CONNECT_TIMEOUT, SHUTDOWN, STEP, RankGroups, join_groups
 from mrv2.distributed.parallel import broadcast_object
-from mrv2.engine.scheduler_output import ModelRunnerOutput
+from mrv2.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from mrv2.platforms import Platform
 from mrv2.runner.async_output import AsyncRunnerOutput
 
@@ -28,18 +27,23 @@ class DistributedExecutor(Executor):
         self.world = spec.config.parallel.tensor_parallel_size
         self.platform = platform
         self._closed = False
+        self._broken: str | None = None  # why the ranks are out of step (a call failed on this rank)
+        self._waited = 0  # step outputs waited for here since the last message (the workers follow)
+        self.groups: RankGroups | None = None
         self._store = dist.TCPStore(self._store_host(), 0, self.world, is_master=True, wait_for_workers=False,
                                     timeout=CONNECT_TIMEOUT)
         self._start_workers(spec, self._store_host(), self._store.port)
         try:
             platform.bind_rank(0, self.world)
             platform.configure_threads(host_only=bool(spec.config.async_scheduling))
-            self.groups: RankGroups = self._while_workers_live(
+            self.groups = self._while_workers_live(
                 "connecting", lambda: join_groups(platform, self._store, 0, self.world, spec))
             self.driver = load_runner(spec, platform, self.groups.tensor_parallel(0, self.world))
             self._while_workers_live("loading the model", self._wait_ready)
         except BaseException:
             self._stop_workers(timeout=0)
+            if self.groups is not None:
+                self.groups.close()
             platform.release_rank()
             raise
 
@@ -66,13 +70,21 @@ class DistributedExecutor(Executor):
         self._broadcast((method, args))
         return self._guarded(lambda: getattr(self.driver, method)(*args))
 
+    def execute_model(self, sched: SchedulerOutput) -> None:
+        # One message per step: the workers sample right after executing (the engine samples every
+        # step that is not empty, and nothing else runs in between).
+        self._broadcast((STEP, (sched,)))
+        self._guarded(lambda: self.driver.execute_model(sched))
+
     def sample_tokens(self) -> "_RankedOutput":
-        self._broadcast((SAMPLE, ()))
         return _RankedOutput(self._guarded(self.driver.sample_tokens), self)
 
     def check_health(self) -> None:
         if dead := self._dead_workers():
             raise RankFailedError(f"tensor-parallel worker {'; '.join(dead)}; the engine cannot continue")
+        if self._broken is not None:
+            raise RankFailedError(f"a tensor-parallel step failed on rank 0 ({self._broken}) while the other "
+                                  f"ranks ran it: the ranks are out of step; restart the engine")
 
     def shutdown(self) -> None:
         if self._closed:
@@ -85,7 +97,8 @@ class DistributedExecutor(Executor):
         try:
             self.driver.close()
         finally:
-            self._stop_workers(timeout=30)
+            # Out-of-step workers may wait in a collective forever: they are stopped at once.
+            self._stop_workers(timeout=30 if self._broken is None else 0)
             self.groups.close()
             self.platform.release_rank()
 
@@ -93,19 +106,25 @@ class DistributedExecutor(Executor):
 
     def _broadcast(self, message: tuple[str, tuple]) -> None:
         self.check_health()
-        self._guarded(lambda: broadcast_object(self.groups.control, message, 0))
+        waited, self._waited = self._waited, 0
+        self._guarded(lambda: broadcast_object(self.groups.control, (*message, waited), 0))
 
     def _guarded(self, fn: Callable[[], T]) -> T:
-        """`fn()`; a collective that failed because a worker died is reported as that worker's death."""
+        """`fn()`; a collective that failed because a worker died is reported as that worker's death, and
+        any other failure leaves the engine unusable (the other ranks ran, or wait in, the failed call)."""
         try:
             return fn()
-        except RuntimeError as exc:
-            if isinstance(exc, RankFailedError):
-                raise
-            deadline = time.monotonic() + 5  # the peer's socket may close before its exit is seen
-            while time.monotonic() < deadline and not self._dead_workers():
-                time.sleep(0.05)
-            self.check_health()
+        except RankFailedError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, RuntimeError):
+                deadline = time.monotonic() + 5  # the peer's socket may close before its exit is seen
+                while time.monotonic() < deadline and not self._dead_workers():
+                    time.sleep(0.05)
+                if dead := self._dead_workers():
+                    raise RankFailedError(f"tensor-parallel worker {'; '.join(dead)}; the engine cannot "
+                                          f"continue") from exc
+            self._broken = f"{type(exc).__name__}: {str(exc)[:200]}"
             raise
 
     def _while_workers_live(self, what: str, fn: Callable[[], T]) -> T:
@@ -144,6 +163,6 @@ class _RankedOutput:
         self._inner, self._executor = inner, executor
 
     def get(self) -> ModelRunnerOutput:
-        self._executor._broadcast((GET_OUTPUT, ()))
+        self._executor._waited += 1  # the workers wait for theirs before the next message
         return self._executor._guarded(self._inner.get)
 

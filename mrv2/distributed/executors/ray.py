@@ -35,7 +35,7 @@ class RayExecutor(DistributedExecutor):
 
     def _start_workers(self, spec: RunnerSpec, host: str, port: int) -> None:
         ray = _import_ray()
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
@@ -48,6 +48,7 @@ class RayExecutor(DistributedExecutor):
             1.0 if resource in ("CPU", "GPU") else {resource: 1.0}
         self._pg = placement_group(bundles, strategy="PACK")
         if not self._pg.wait(timeout_seconds=60):
+            remove_placement_group(self._pg)
             raise ValueError(f"the Ray cluster cannot place {self.world - 1} worker ranks of one {resource} each "
                              f"(available: {ray.available_resources()})")
         actor_cls = ray.remote(_RankActor)

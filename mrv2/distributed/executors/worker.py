@@ -2,8 +2,9 @@
 
 The same loop serves worker processes (`python -m mrv2.distributed.executors.worker`, the
 multiprocess executor) and Ray actors. Calls arrive over the control group in the order the
-driver made them; a step's sampled output is waited for when the driver waits for its own,
-so every rank's host state moves in step.
+driver made them, one message per engine step. Each message also says how many launched
+steps' outputs the driver has waited for since the previous one: the worker waits for as
+many of its own first, so every rank's host state moves in step with the driver's.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ from mrv2.platforms import Platform, get_platform
 logger = logging.getLogger("mrv2")
 
 SHUTDOWN = "shutdown"
-SAMPLE = "sample_tokens"
-GET_OUTPUT = "get_output"  # wait for the oldest launched step's output
+STEP = "step"  # execute_model(sched), then sample_tokens() unless the step is empty
 CONNECT_TIMEOUT = timedelta(minutes=5)
 # A collective that waits longer than this for a live peer fails the engine.
 STEP_TIMEOUT = timedelta(minutes=30)
@@ -128,13 +128,15 @@ class RankWorker:
         """Run the driver's calls until it says shut down."""
         outputs: deque = deque()
         while True:
-            method, args = broadcast_object(self.groups.control, None, self.rank)
+            method, args, waited = broadcast_object(self.groups.control, None, self.rank)
+            for _ in range(waited):
+                outputs.popleft().get()
             if method == SHUTDOWN:
                 break
-            if method == SAMPLE:
-                outputs.append(self.runner.sample_tokens())
-            elif method == GET_OUTPUT:
-                outputs.popleft().get()
+            if method == STEP:
+                self.runner.execute_model(args[0])
+                if not args[0].is_empty:
+                    outputs.append(self.runner.sample_tokens())
             else:
                 getattr(self.runner, method)(*args)
         self.runner.close()
