@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mrv2.layers.quantization import QuantizedWeight
+from mrv2.layers.quantization import GGUF_BLOCK, QuantizedWeight
 from mrv2.loader.cache import QUANT_FILE
 
 # GGUF type name -> (weights, bytes) per block
@@ -96,15 +96,46 @@ def stored_weight(qtype: str, parts: Mapping[str, torch.Tensor]) -> QuantizedWei
     return QuantizedWeight(qtype, codes, parts["scales"], parts.get("mins"))
 
 
-def iter_quantized_weights(folder: Path) -> Iterator[tuple[str, QuantizedWeight]]:
-    """Yield `(hf name, QuantizedWeight)` for every tensor of the folder's `QUANT_FILE`."""
+class LazyQuantizedWeight:
+    """A quantized checkpoint tensor not read yet: its [N, K] shape, and `read` of all of it or of rows
+    (dim 0) or whole 32-weight blocks of columns (dim 1), so a tensor-parallel rank reads only its slice.
+    Valid until the iterator moves on."""
+
+    def __init__(self, handle, name: str, qtype: str, parts: list[str]) -> None:
+        self.qtype = qtype
+        self._slices = {p: handle.get_slice(f"{name}.{p}") for p in parts}
+        n, stored = self._slices["codes"].get_shape()
+        self._per_byte = 1 if qtype == "Q8_0" else 2  # Q4 codes are nibble-packed
+        self.shape = torch.Size((n, stored * self._per_byte))
+
+    def read(self, part: tuple[int, int, int] | None = None) -> QuantizedWeight:
+        if part is None:
+            return stored_weight(self.qtype, {p: s[:] for p, s in self._slices.items()})
+        dim, start, length = part
+        if dim == 0:
+            return stored_weight(self.qtype, {p: s[start:start + length] for p, s in self._slices.items()})
+        if start % GGUF_BLOCK or length % GGUF_BLOCK:
+            raise ValueError(f"a {self.qtype} weight splits by columns only at {GGUF_BLOCK}-weight blocks, "
+                             f"not at [{start}, {start + length})")
+        spans = {"codes": (start // self._per_byte, length // self._per_byte)}
+        spans["scales"] = spans["mins"] = (start // GGUF_BLOCK, length // GGUF_BLOCK)
+        return stored_weight(self.qtype, {p: s[:, spans[p][0]:spans[p][0] + spans[p][1]]
+                                          for p, s in self._slices.items()})
+
+
+def iter_quantized_weights(folder: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """Yield `(hf name, QuantizedWeight)` for every tensor of the folder's `QUANT_FILE`
+    (`lazy`: as `LazyQuantizedWeight`s)."""
     from safetensors import safe_open
 
     with safe_open(folder / QUANT_FILE, framework="pt") as f:
         keys = set(f.keys())
         for name, qtype in (f.metadata() or {}).items():
-            parts = {p: f.get_tensor(f"{name}.{p}") for p in ("codes", "scales", "mins") if f"{name}.{p}" in keys}
-            yield name, stored_weight(qtype, parts)
+            present = [p for p in ("codes", "scales", "mins") if f"{name}.{p}" in keys]
+            if lazy:
+                yield name, LazyQuantizedWeight(f, name, qtype, present)
+            else:
+                yield name, stored_weight(qtype, {p: f.get_tensor(f"{name}.{p}") for p in present})
 
 
 def quantized_names(folder: Path) -> set[str]:
@@ -124,5 +155,5 @@ def iter_weights_keeping_quantized(folder: Path, lazy: bool = False) -> Iterator
 
     names = quantized_names(folder)
     if names:
-        yield from iter_quantized_weights(folder)
+        yield from iter_quantized_weights(folder, lazy)
     yield from iter_safetensors_weights(folder, skip=names, lazy=lazy)

@@ -27,12 +27,13 @@ from torch import nn
 
 from mrv2.layers.linear import Linear, TPSlice
 from mrv2.layers.quantization import QuantizedWeight
+from mrv2.loader.gguf_quant import LazyQuantizedWeight
 from mrv2.loader.safetensors_weights import LazyTensor
 
 
-def read_part(tensor: torch.Tensor | QuantizedWeight | LazyTensor, part: TPSlice | None):
+def read_part(tensor: torch.Tensor | QuantizedWeight | LazyTensor | LazyQuantizedWeight, part: TPSlice | None):
     """`tensor`, or its `part` (dim, start, length), read from the checkpoint if it is still lazy."""
-    if isinstance(tensor, LazyTensor):
+    if isinstance(tensor, (LazyTensor, LazyQuantizedWeight)):
         return tensor.read(part)
     return tensor if part is None else tensor.narrow(*part)
 

@@ -201,3 +201,18 @@ def test_a_rank_reads_only_its_slice_of_sharded_tensors(tiny_checkpoint):
     assert all(read[n] * 2 == whole[n] for n in whole if n not in replicated)  # every projection, the vocabulary
     assert sum(read.values()) < 0.6 * sum(whole.values())
     torch.testing.assert_close(model.layers[0].self_attn.o_proj.weight, hf.model.layers[0].self_attn.o_proj.weight[:, 32:])
+
+
+def test_lazy_quantized_weights_read_rows_or_whole_blocks(converted_default_model):
+    from mrv2.loader.gguf_quant import LazyQuantizedWeight, iter_quantized_weights
+
+    wholes = dict(iter_quantized_weights(converted_default_model))
+    for name, lazy in iter_quantized_weights(converted_default_model, lazy=True):
+        whole = wholes[name]
+        assert isinstance(lazy, LazyQuantizedWeight) and lazy.shape == whole.shape, name
+        for part in ((0, 16, 32), (1, 64, 128)):
+            got, expected = lazy.read(part), whole.narrow(*part)
+            assert got.qtype == expected.qtype and torch.equal(got.dequantize(), expected.dequantize())
+        with pytest.raises(ValueError, match="32-weight blocks"):
+            lazy.read((1, 16, 32))
+        break  # one tensor of each call: the slicing is the same for all
