@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 KVLayout = Literal["joint", "split"]
 
@@ -192,12 +192,7 @@ class SpeculativeConfig:
         """From `LLM(speculative_config={...})` or `--speculative-config JSON`; unknown keys are errors."""
         if d is None or isinstance(d, SpeculativeConfig):
             return d
-        if not isinstance(d, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
-        known = set(cls.__dataclass_fields__)
-        if unknown := sorted(set(d) - known):
-            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**d)
+        return _from_option_dict(cls, d, "speculative_config")
 
 
 class GraphMode(enum.Enum):
@@ -329,6 +324,16 @@ class ParallelConfig:
         return self.distributed_executor_backend
 
 
+def _from_option_dict(cls: type, d: Any, name: str) -> Any:
+    """`cls(**d)` for the dict a user gave as option `name` (Python or JSON); unknown keys are errors."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{name} must be a dict, got {type(d).__name__}")
+    known = set(cls.__dataclass_fields__)
+    if unknown := sorted(set(d) - known):
+        raise ValueError(f"{name} has unknown keys {unknown}; known: {sorted(known)}")
+    return cls(**d)
+
+
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
@@ -362,14 +367,9 @@ class KVTransferConfig:
     def from_dict(cls, d: "dict | KVTransferConfig | None") -> "KVTransferConfig | None":
         if d is None or isinstance(d, KVTransferConfig):
             return d
-        if not isinstance(d, dict):
-            raise ValueError(f"kv_transfer_config must be a dict, got {type(d).__name__}")
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown kv_transfer_config keys: {sorted(unknown)}")
-        if "kv_connector" not in d:
+        if isinstance(d, dict) and "kv_connector" not in d:
             raise ValueError("kv_transfer_config needs 'kv_connector'")
-        return cls(**d)
+        return _from_option_dict(cls, d, "kv_transfer_config")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ decode instance claims expire. Then the same through two servers and `mrv2 proxy
 from __future__ import annotations
 
 import json
+import re
 import os
 import time
 from dataclasses import replace
@@ -147,3 +148,14 @@ def test_proxy_between_two_servers_streams_what_one_server_answers(default_llm):
         for server in (proxy, prefill, decode):
             if server is not None:
                 server.stop()
+
+
+@pytest.mark.parametrize("config, problem", [
+    ({"kv_connector": "NoSuchConnector"}, "unknown kv_connector 'NoSuchConnector' (available: ShmConnector)"),
+    ({"kv_connector": "ShmConnector", "kv_role": "kv_sender"}, "kv_role must be one of"),
+    ({"kv_role": "kv_producer"}, "kv_transfer_config needs 'kv_connector'"),
+    ({"kv_connector": "ShmConnector", "timeout": 3}, "kv_transfer_config has unknown keys ['timeout']"),
+])
+def test_bad_kv_transfer_configs_are_refused(config, problem):
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        LLM(kv_transfer_config=config)
