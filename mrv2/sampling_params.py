@@ -32,6 +32,39 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # nothing until the request finishes
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output to a format (vLLM's names); exactly one of: `json` (a JSON
+    schema, as a dict or a JSON string), `regex`, `choice` (one of these strings), `grammar`
+    (EBNF, as xgrammar and llama.cpp's GBNF read it) or `json_object=True` (any JSON object)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar or json_object; "
+                             f"got {given or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs.{name} must be a string")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs.json must be a JSON schema (a dict or a JSON string)")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
+            if not self.json_object else "json_object"
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completion.
@@ -57,6 +90,8 @@ class SamplingParams:
     `kv_transfer_params` drives prefill/decode disaggregation (vLLM's): `{"do_remote_decode":
     true}` on a prefill instance saves the prompt's KV for a decode instance; the params
     its output returns, given to the decode instance, load that KV instead of recomputing it.
+    `structured_outputs` (`StructuredOutputsParams`) makes every output follow a JSON schema,
+    a regex, a choice or a grammar (and EOS come only where the format is complete).
     """
 
     n: int = 1
@@ -84,6 +119,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     num_speculative_tokens: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # The token sequences `bad_words` ban, set by the engine from its tokenizer (not an argument).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -99,6 +135,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be StructuredOutputsParams")
         if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
             raise ValueError(f"kv_transfer_params must be a dict, got {type(self.kv_transfer_params).__name__}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:

@@ -25,6 +25,7 @@ from mrv2.sample.bad_words import bad_words_token_ids
 from mrv2.platforms import get_platform
 from mrv2.sampling_params import SamplingParams
 from mrv2.spec_decode.ngram import NgramProposer
+from mrv2.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("mrv2")
 
@@ -131,6 +132,7 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, AsyncRunnerOutput]] = deque()
         self._max_in_flight = 2 if config.async_scheduling else 1
         spec = config.speculative
+        self.structured: StructuredOutputManager | None = None  # built with the first constrained request
         self.proposer = None
         if spec is not None and not spec.uses_model:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -218,11 +220,27 @@ class LLMEngine:
             params.bad_words_token_ids = words
         text, ids = self.tokenize(prompt)
         self.scheduler.validate_prompt(ids)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self._structured_outputs().compile(params.structured_outputs)
         # Every EOS id (Llama 3's <|eot_id|> too) is EOS: ignore_eos ignores them all.
         request = Request(request_id or str(next(self._ids)), ids, params, self.eos_token_ids)
         request.prompt = text
         request.cache_salt = _cache_salt(prompt)
+        request.structured_grammar = grammar
         return request
+
+    def _structured_outputs(self) -> StructuredOutputManager:
+        """The structured-output manager, built (and its backend imported) when first needed."""
+        if self.structured is None:
+            from mrv2.structured.xgrammar_backend import XgrammarBackend
+
+            drafter = self.runner.drafter
+            spec = self.config.speculative
+            max_drafts = spec.num_speculative_tokens if spec is not None and drafter is None else 0
+            backend = XgrammarBackend(self.tokenizer, self.runner.model.config.vocab_size, self.eos_token_ids)
+            self.structured = StructuredOutputManager(backend, max_drafts)
+        return self.structured
 
     def add_request(self, request: Request) -> None:
         """Queue a request; one with n > 1 runs as n children (completion i of a seeded one uses seed + i)."""
@@ -238,6 +256,7 @@ class LLMEngine:
                             replace(params, n=1, seed=None if params.seed is None else params.seed + i),
                             request.eos_token_ids, request.max_model_len, request.arrival_time)
             child.prompt, child.cache_salt = request.prompt, request.cache_salt
+            child.structured_grammar = request.structured_grammar
             self.scheduler.add_request(child)
             self.output_processor.add_request(child, request, i)
 
@@ -246,6 +265,8 @@ class LLMEngine:
         engine_ids = self.output_processor.family_ids(request_ids)
         self.scheduler.abort_requests(engine_ids)
         self.output_processor.remove(request_ids + engine_ids)
+        if self.structured is not None:
+            self.structured.drop(engine_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (only while no request holds one: False otherwise)."""
@@ -261,22 +282,36 @@ class LLMEngine:
         Serially one step is in flight at a time: schedule -> execute -> sample -> update.
         With async scheduling up to two are: step N+1 is scheduled and launched before
         the host waits for step N's sampled ids, so the host's scheduling, preparation
-        and output processing overlap the device's work.
+        and output processing overlap the device's work. A step that samples for a
+        structured-output request first processes the steps in flight (its grammar
+        matchers need every token sampled so far; the step's forward runs meanwhile),
+        then fills the token bitmasks its sampling applies.
         """
+        outputs: list[RequestOutput] = []
         if len(self._in_flight) < self._max_in_flight:
             sched = self.scheduler.schedule()
+            masked = self.structured is not None and self.structured.needs_masks(sched.sampled_req_ids,
+                                                                               self.scheduler.requests)
             try:  # a synchronous device queue runs the forward and the sampler right here
-                self.executor.execute_model(sched)  # also frees the slots of finished requests
-                pending = self.executor.sample_tokens() if not sched.is_empty else None
+                self.executor.execute_model(sched, defer_sampling=masked)  # also frees finished requests' slots
+                while masked and self._in_flight:
+                    outputs += self._process_oldest()
+                grammar = self.structured.masks(sched.sampled_req_ids, self.scheduler.requests,
+                                                sched.scheduled_spec_decode_tokens) if masked else None
+                pending = self.executor.sample_tokens(grammar) if not sched.is_empty else None
             except BaseException:
                 self._fail(sched)
                 raise
             if pending is not None:
                 self._in_flight.append((sched, pending))
                 if len(self._in_flight) < self._max_in_flight and self.scheduler.has_unfinished_requests():
-                    return []  # launch the next step before waiting for this one
+                    return outputs  # launch the next step before waiting for this one
         if not self._in_flight:
-            return []
+            return outputs
+        return outputs + self._process_oldest()
+
+    def _process_oldest(self) -> list[RequestOutput]:
+        """Wait for the oldest launched step's sampled ids and turn them into outputs."""
         sched, pending = self._in_flight.popleft()
         try:
             runner_out = pending.get()
@@ -284,11 +319,15 @@ class LLMEngine:
             self._fail(sched)
             raise
         updated = self.scheduler.update_from_output(sched, runner_out)
+        if self.structured is not None:
+            self.structured.advance(updated)
         if self.proposer is not None:  # drafts for the next step, from the tokens just sampled
             self.proposer.propose_for(r for r in updated if r.status == RequestStatus.RUNNING)
         stopped = self.output_processor.detokenize(updated)
         if stopped:  # a stop string: the request ends now, like one that sampled a stop token
             self.scheduler.finish_requests([r.req_id for r in stopped], RequestStatus.FINISHED_STOPPED)
+            if self.structured is not None:
+                self.structured.drop([r.req_id for r in stopped])
         return self.output_processor.make_outputs(updated)
 
     def _fail(self, sched: SchedulerOutput) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 import itertools
 import sys
 import time
@@ -93,6 +94,8 @@ class Request:
         self.spec_token_ids: list[int] = []
         # What a KV connector hands on once this request ends (a prefill instance's transfer), or None.
         self.kv_transfer_params: dict | None = None
+        # The compiled grammar its output must follow (structured output), or None.
+        self.structured_grammar: Any = None
 
     @property
     def hash_salt(self) -> bytes:

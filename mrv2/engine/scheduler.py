@@ -289,6 +289,8 @@ class Scheduler:
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - pending - 1,
                    self.max_model_len - request.num_tokens - pending - 1)
         if self.num_device_drafts:
+            if request.structured_grammar is not None:
+                return []  # device drafts are unknown to the host, which fills the grammar's masks
             cap = request.sampling_params.num_speculative_tokens
             k = self.num_device_drafts if cap is None else min(cap, self.num_device_drafts)
             return [-1] * max(0, min(room, k))

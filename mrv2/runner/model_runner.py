@@ -285,12 +285,17 @@ class ModelRunner:
                 self.kv_connector.wait_for_save()
         return _ForwardResult(batch, logits, prompt_scores, hidden, attn_metadata)
 
-    def sample_tokens(self) -> AsyncRunnerOutput:
+    def sample_tokens(self, grammar: dict[str, np.ndarray] | None = None) -> AsyncRunnerOutput:
         """Launch sampling of the pending step and the post-update of slot state; the sampled
-        ids come back through one asynchronous copy (`AsyncRunnerOutput.get()` waits for it)."""
+        ids come back through one asynchronous copy (`AsyncRunnerOutput.get()` waits for it).
+
+        `grammar` holds structured output's token bitmasks: per request id, int32 rows for its
+        logits rows (its last token and each draft); other rows allow every token.
+        """
         pending, self._pending = self._pending, None
         if pending is None:
             return AsyncRunnerOutput.empty()
+        bitmask = None if not grammar else self._bitmask_rows(pending.plan, grammar)
         host = self._host_out[self._next_host_out]
         host_logprobs = self._host_logprobs[self._next_host_out]
         host_prompt_logprobs = self._host_prompt_logprobs[self._next_host_out]
@@ -309,6 +314,8 @@ class ModelRunner:
                 # From the raw logits: the sampler masks them in place.
                 raw_logprobs = logits.log_softmax(dim=-1) if num_logprobs is not None else None
                 metadata = self.sampling.metadata(pending.flags, slots, positions, self.states.token_ids)
+                if bitmask is not None:
+                    metadata.grammar_bitmask = bitmask.to(self.device, non_blocking=True)
                 with_probs = batch.max_drafts > 0 and self.drafter is not None and self.drafter.probabilistic
                 sampled, probs = self.sampler.sample(logits, metadata, with_probs=True) if with_probs else \
                     (self.sampler(logits, metadata), None)
@@ -339,6 +346,17 @@ class ModelRunner:
         return AsyncRunnerOutput(plan.req_ids, self._launch(sample), self.timing,
                                  reject_drafts if plan.max_drafts or self.drafter else None, wanted,
                                  plan.num_drafts_cpu + 1, pending.scored.requests if pending.scored is not None else None)
+
+    @staticmethod
+    def _bitmask_rows(plan: StepPlan, grammar: dict[str, np.ndarray]) -> torch.Tensor:
+        """The step's bitmask in logits-row order (host): each request's rows at its logits offset."""
+        words = next(iter(grammar.values())).shape[1]
+        rows = np.full((plan.num_logits, words), -1, dtype=np.int32)
+        per_row = plan.num_drafts_cpu + 1
+        for req_id, start, n in zip(plan.req_ids, np.cumsum(per_row) - per_row, per_row):
+            if (mask := grammar.get(req_id)) is not None:
+                rows[start:start + min(n, len(mask))] = mask[:n]
+        return torch.from_numpy(rows)
 
     def _verify(self, batch: StepBatch, sampled: torch.Tensor,
                 probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

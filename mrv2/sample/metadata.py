@@ -48,6 +48,7 @@ class SamplingMetadata:
     logit_bias: LogitBiasMetadata | None = None
     allowed_tokens: torch.Tensor | None = None  # bool [B, V]
     bad_words: BadWordsMetadata | None = None
+    grammar_bitmask: torch.Tensor | None = None  # int32 [B, ceil(V / 32)]: structured output's allowed tokens
 
     @classmethod
     def from_lists(

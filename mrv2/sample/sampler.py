@@ -1,6 +1,7 @@
 """Logits to token ids: greedy rows take the argmax, the others a filtered Gumbel-max draw.
 
-The order follows vLLM: on the raw logits, in place, allowed_token_ids, bad_words, min_tokens,
+The order follows vLLM: on the raw logits, in place, the structured-output grammar bitmask,
+allowed_token_ids, bad_words, min_tokens,
 logit_bias, then the repetition/frequency/presence penalties; then temperature, and
 min-p, top-k, top-p on the scaled logits, each masking with -inf. All ops run on the
 logits' device without syncing the host.
@@ -12,6 +13,7 @@ import torch
 
 from mrv2.sample.allowed_tokens import apply_allowed_tokens
 from mrv2.sample.bad_words import apply_bad_words
+from mrv2.sample.grammar_bitmask import apply_grammar_bitmask
 from mrv2.sample.gumbel import gumbel_sample
 from mrv2.sample.logit_bias import apply_logit_bias
 from mrv2.sample.metadata import SamplingMetadata
@@ -123,6 +125,8 @@ class Sampler:
         filter applied, as the probabilistic rejection sampler needs them; None when all rows are greedy)."""
         md = metadata
         # On the raw logits, greedy rows included.
+        if md.grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, md.grammar_bitmask)
         if md.allowed_tokens is not None:
             apply_allowed_tokens(logits, md.allowed_tokens)
         if md.bad_words is not None:

@@ -52,13 +52,14 @@ class Executor:
         """`runner.method(*args)` on every rank (in the same order everywhere); rank 0's result."""
         return getattr(self.driver, method)(*args)
 
-    def execute_model(self, sched: SchedulerOutput) -> None:
-        """Launch a step; `sample_tokens()` must follow at once unless the schedule is empty."""
+    def execute_model(self, sched: SchedulerOutput, defer_sampling: bool = False) -> None:
+        """Launch a step; `sample_tokens()` must follow unless the schedule is empty: at once, or, with
+        `defer_sampling`, after the host prepared structured output's bitmasks (and nothing else between)."""
         self.call("execute_model", sched)
 
-    def sample_tokens(self) -> AsyncRunnerOutput:
+    def sample_tokens(self, grammar: dict[str, Any] | None = None) -> AsyncRunnerOutput:
         """The launched step's sampled output (on every rank; `get()` waits for rank 0's)."""
-        return self.driver.sample_tokens()
+        return self.driver.sample_tokens(grammar)
 
     def check_health(self) -> None:
         """Raise if a rank is gone."""

@@ -10,7 +10,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from mrv2.distributed.executors.base import Executor, RankFailedError, RunnerSpec, load_runner
-from mrv2.distributed.executors.worker import CONNECT_TIMEOUT, SHUTDOWN, STEP, RankGroups, join_groups
+from mrv2.distributed.executors.worker import CONNECT_TIMEOUT, SAMPLE, SHUTDOWN, STEP, RankGroups, join_groups
 from mrv2.distributed.parallel import broadcast_object
 from mrv2.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from mrv2.platforms import Platform
@@ -29,6 +29,7 @@ class DistributedExecutor(Executor):
         self._closed = False
         self._broken: str | None = None  # why the ranks are out of step (a call failed on this rank)
         self._waited = 0  # step outputs waited for here since the last message (the workers follow)
+        self._deferred = False  # the launched step samples after its own message
         self.groups: RankGroups | None = None
         self._store = dist.TCPStore(self._store_host(), 0, self.world, is_master=True, wait_for_workers=False,
                                     timeout=CONNECT_TIMEOUT)
@@ -70,14 +71,17 @@ class DistributedExecutor(Executor):
         self._broadcast((method, args))
         return self._guarded(lambda: getattr(self.driver, method)(*args))
 
-    def execute_model(self, sched: SchedulerOutput) -> None:
+    def execute_model(self, sched: SchedulerOutput, defer_sampling: bool = False) -> None:
         # One message per step: the workers sample right after executing (the engine samples every
-        # step that is not empty, and nothing else runs in between).
-        self._broadcast((STEP, (sched,)))
+        # step that is not empty, and nothing else runs in between), unless sampling waits for bitmasks.
+        self._deferred = defer_sampling
+        self._broadcast((STEP, (sched, not defer_sampling)))
         self._guarded(lambda: self.driver.execute_model(sched))
 
-    def sample_tokens(self) -> "_RankedOutput":
-        return _RankedOutput(self._guarded(self.driver.sample_tokens), self)
+    def sample_tokens(self, grammar: dict[str, Any] | None = None) -> "_RankedOutput":
+        if self._deferred:
+            self._broadcast((SAMPLE, (grammar,)))
+        return _RankedOutput(self._guarded(lambda: self.driver.sample_tokens(grammar)), self)
 
     def check_health(self) -> None:
         if dead := self._dead_workers():

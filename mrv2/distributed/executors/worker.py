@@ -32,7 +32,8 @@ from mrv2.platforms import Platform, get_platform
 logger = logging.getLogger("mrv2")
 
 SHUTDOWN = "shutdown"
-STEP = "step"  # execute_model(sched), then sample_tokens() unless the step is empty
+STEP = "step"  # execute_model(sched), then sample_tokens() unless the step is empty or samples later
+SAMPLE = "sample"  # sample_tokens(grammar) of a step whose sampling waited for structured output's bitmasks
 CONNECT_TIMEOUT = timedelta(minutes=5)
 # A collective that waits longer than this for a live peer fails the engine.
 STEP_TIMEOUT = timedelta(minutes=30)
@@ -134,9 +135,12 @@ class RankWorker:
             if method == SHUTDOWN:
                 break
             if method == STEP:
-                self.runner.execute_model(args[0])
-                if not args[0].is_empty:
+                sched, sample_now = args
+                self.runner.execute_model(sched)
+                if sample_now and not sched.is_empty:
                     outputs.append(self.runner.sample_tokens())
+            elif method == SAMPLE:
+                outputs.append(self.runner.sample_tokens(*args))
             else:
                 getattr(self.runner, method)(*args)
         self.runner.close()

@@ -1,0 +1,7 @@
+"""Structured output: grammars compiled once per spec, a matcher per request, token bitmasks per step."""
+
+from mrv2.structured.manager import StructuredOutputManager
+
+BACKENDS = ("xgrammar",)
+
+__all__ = ["BACKENDS", "StructuredOutputManager"]
