@@ -335,6 +335,7 @@ def _from_option_dict(cls: type, d: Any, name: str) -> Any:
 
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar",)
 
 
 @dataclass(frozen=True)
@@ -389,8 +390,13 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig | None = None
+    # Compiles structured outputs' grammars and fills their token bitmasks.
+    structured_outputs_backend: str = "xgrammar"
 
     def __post_init__(self) -> None:
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
+                             f"got {self.structured_outputs_backend!r}")
         if self.parallel.tensor_parallel_size > 1 and self.speculative is not None and self.speculative.uses_model:
             raise ValueError(f"speculative decoding with {self.speculative.method!r} does not run with "
                              f"tensor_parallel_size > 1 yet (its drafter is not sharded); 'ngram' does")

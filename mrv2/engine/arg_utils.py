@@ -49,6 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-config", type=_json_dict, default=None,
                    help='prefill/decode disaggregation as JSON, e.g. \'{"kv_connector": "ShmConnector", '
                         '"kv_role": "kv_producer"}\' (roles: kv_producer, kv_consumer, kv_both)')
+    g.add_argument("--structured-outputs-backend", choices=["xgrammar"], default="xgrammar",
+                   help="compiles structured outputs' grammars (JSON schema, regex, choice, EBNF)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -82,4 +84,4 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 batch_invariant=args.batch_invariant, speculative_config=args.speculative_config,
                 tensor_parallel_size=args.tensor_parallel_size,
                 distributed_executor_backend=args.distributed_executor_backend,
-                kv_transfer_config=args.kv_transfer_config)
+                kv_transfer_config=args.kv_transfer_config, structured_outputs_backend=args.structured_outputs_backend)

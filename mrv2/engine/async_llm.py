@@ -93,7 +93,11 @@ class AsyncLLM:
         the last one finished. Bad input raises ValueError before anything is scheduled."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self._dead
-        request = self.engine.make_request(prompt, sampling_params, request_id)
+        if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
+            # Compiling a grammar may take a while: off the event loop (the engine loop runs on regardless).
+            request = await asyncio.to_thread(self.engine.make_request, prompt, sampling_params, request_id)
+        else:
+            request = self.engine.make_request(prompt, sampling_params, request_id)
         stream = _Stream(asyncio.get_running_loop(), request)
         self._submit("add", (request, stream))
         finished = False

@@ -35,7 +35,8 @@ def engine_config(model: str | None = None, *, tokenizer: str | None = None, dty
                   enable_prefix_caching: bool = True, batch_invariant: bool = False,
                   speculative_config: dict[str, Any] | None = None, tensor_parallel_size: int = 1,
                   distributed_executor_backend: str | None = None,
-                  kv_transfer_config: dict[str, Any] | None = None) -> EngineConfig:
+                  kv_transfer_config: dict[str, Any] | None = None,
+                  structured_outputs_backend: str = "xgrammar") -> EngineConfig:
     """The EngineConfig for `LLM(...)` / `AsyncLLM(...)` keyword arguments (see `LLM`)."""
     kv_transfer_config = KVTransferConfig.from_dict(kv_transfer_config)
     kv_transfer = kv_transfer or kv_transfer_config is not None  # a connector registers the aligned cache
@@ -55,7 +56,7 @@ def engine_config(model: str | None = None, *, tokenizer: str | None = None, dty
         speculative=SpeculativeConfig.from_dict(speculative_config),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                 distributed_executor_backend=distributed_executor_backend),
-        kv_transfer=kv_transfer_config,
+        kv_transfer=kv_transfer_config, structured_outputs_backend=structured_outputs_backend,
     )
 
 

@@ -23,7 +23,7 @@ from mrv2.runner.async_output import AsyncRunnerOutput
 from mrv2.runner.kv_cache import num_blocks_for_budget
 from mrv2.sample.bad_words import bad_words_token_ids
 from mrv2.platforms import get_platform
-from mrv2.sampling_params import SamplingParams
+from mrv2.sampling_params import SamplingParams, StructuredOutputsParams
 from mrv2.spec_decode.ngram import NgramProposer
 from mrv2.structured.manager import StructuredOutputManager
 
@@ -222,7 +222,7 @@ class LLMEngine:
         self.scheduler.validate_prompt(ids)
         grammar = None
         if params.structured_outputs is not None:
-            grammar = self._structured_outputs().compile(params.structured_outputs)
+            grammar = self.compile_structured_outputs(params.structured_outputs)
         # Every EOS id (Llama 3's <|eot_id|> too) is EOS: ignore_eos ignores them all.
         request = Request(request_id or str(next(self._ids)), ids, params, self.eos_token_ids)
         request.prompt = text
@@ -230,16 +230,17 @@ class LLMEngine:
         request.structured_grammar = grammar
         return request
 
+    def compile_structured_outputs(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar of a structured-output spec (cached per spec); ValueError naming what is wrong."""
+        return self._structured_outputs().compile(params)
+
     def _structured_outputs(self) -> StructuredOutputManager:
         """The structured-output manager, built (and its backend imported) when first needed."""
         if self.structured is None:
             from mrv2.structured.xgrammar_backend import XgrammarBackend
 
-            drafter = self.runner.drafter
-            spec = self.config.speculative
-            max_drafts = spec.num_speculative_tokens if spec is not None and drafter is None else 0
             backend = XgrammarBackend(self.tokenizer, self.runner.model.config.vocab_size, self.eos_token_ids)
-            self.structured = StructuredOutputManager(backend, max_drafts)
+            self.structured = StructuredOutputManager(backend)
         return self.structured
 
     def add_request(self, request: Request) -> None:

@@ -2,6 +2,4 @@
 
 from mrv2.structured.manager import StructuredOutputManager
 
-BACKENDS = ("xgrammar",)
-
-__all__ = ["BACKENDS", "StructuredOutputManager"]
+__all__ = ["StructuredOutputManager"]

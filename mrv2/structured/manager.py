@@ -28,9 +28,8 @@ logger = logging.getLogger("mrv2")
 class StructuredOutputManager:
     """Matchers of the constrained requests in flight, over one backend (`XgrammarBackend`)."""
 
-    def __init__(self, backend: Any, max_drafts: int = 0) -> None:
+    def __init__(self, backend: Any) -> None:
         self.backend = backend
-        self.max_drafts = max_drafts
         self._matchers: dict[str, Any] = {}
         self._seen: dict[str, int] = {}  # output tokens each matcher has taken
 
@@ -44,7 +43,7 @@ class StructuredOutputManager:
 
     def _matcher(self, request: Any) -> Any:
         if (m := self._matchers.get(request.req_id)) is None:
-            m = self._matchers[request.req_id] = self.backend.matcher(request.structured_grammar, self.max_drafts)
+            m = self._matchers[request.req_id] = self.backend.matcher(request.structured_grammar)
             self._seen[request.req_id] = 0
         return m
 

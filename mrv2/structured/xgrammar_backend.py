@@ -60,8 +60,8 @@ class XgrammarBackend:
                 if isinstance(params.json, str):
                     json.loads(params.json)  # xgrammar's own message for malformed JSON is less clear
                 compiled = self._compiler.compile_json_schema(value, any_whitespace=False)
-            elif kind == "json_object":
-                compiled = self._compiler.compile_builtin_json_grammar()
+            elif kind == "json_object":  # OpenAI's json_object: an object (the builtin grammar takes any value)
+                compiled = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             elif kind == "regex":
                 compiled = self._compiler.compile_regex(value)
             elif kind == "choice":
@@ -79,9 +79,9 @@ class XgrammarBackend:
                 self._cache.popitem(last=False)
         return compiled
 
-    def matcher(self, compiled: Any, max_rollback_tokens: int) -> Any:
-        return self._xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids,
-                                        max_rollback_tokens=max_rollback_tokens)
+    def matcher(self, compiled: Any) -> Any:
+        """A matcher at the grammar's start (it can roll back any number of tokens)."""
+        return self._xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
 
     def bitmask_words(self) -> int:
         return (self.vocab_size + 31) // 32

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mrv2.sampling_params import RequestOutputKind, SamplingParams
+from mrv2.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class InvalidRequest(ValueError):
@@ -63,6 +63,10 @@ class _SamplingRequest(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1)
     # Prefill/decode disaggregation (vLLM's field): see SamplingParams.kv_transfer_params.
     kv_transfer_params: dict[str, Any] | None = None
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs ({"json" | "regex" |
+    # "choice" | "grammar" | "json_object": ...}).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def _unsupported(self) -> dict[str, Any]:
         """Fields set to a value mrv2 cannot honour yet (name -> neutral value)."""
@@ -70,6 +74,33 @@ class _SamplingRequest(BaseModel):
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def _structured(self) -> StructuredOutputsParams | None:
+        fmt = self.response_format
+        if fmt is not None and not isinstance(fmt.get("type"), str):
+            raise InvalidRequest("response_format.type is required", "response_format")
+        if fmt is not None and fmt["type"] == "text":
+            fmt = None
+        if fmt is not None and self.structured_outputs is not None:
+            raise InvalidRequest("give response_format or structured_outputs, not both", "response_format")
+        if self.structured_outputs is not None:
+            known = set(StructuredOutputsParams.__dataclass_fields__)
+            if unknown := sorted(set(self.structured_outputs) - known):
+                raise InvalidRequest(f"structured_outputs has unknown keys {unknown}; known: {sorted(known)}",
+                                     "structured_outputs")
+            return StructuredOutputsParams(**self.structured_outputs)
+        if fmt is None:
+            return None
+        if fmt["type"] == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt["type"] == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object",
+                                     "response_format")
+            return StructuredOutputsParams(json=schema)
+        raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got {fmt['type']!r}",
+                             "response_format")
 
     def _logprobs(self) -> int | None:
         return None
@@ -105,7 +136,8 @@ class _SamplingRequest(BaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 logprobs=self._logprobs(), prompt_logprobs=self._prompt_logprobs(),
-                output_kind=RequestOutputKind.DELTA, kv_transfer_params=self.kv_transfer_params)
+                output_kind=RequestOutputKind.DELTA, kv_transfer_params=self.kv_transfer_params,
+                structured_outputs=self._structured())
         except ValueError as e:
             raise InvalidRequest(str(e), str(e).split(" ", 1)[0]) from None
 
@@ -179,10 +211,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
     def _unsupported(self) -> dict[str, Any]:
-        return super()._unsupported() | {"tools": None, "response_format": None}
+        return super()._unsupported() | {"tools": None}
 
     def _logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -155,6 +155,8 @@ class OpenAIServing:
             engine.scheduler.validate_prompt(ids)
             token_ids.append(ids)
         params: SamplingParams = params_for(self._default_max_tokens(token_ids))
+        if params.structured_outputs is not None:  # a bad spec is a 400 before any stream starts
+            engine.compile_structured_outputs(params.structured_outputs)
         if params.max_tokens is not None:
             too_long = [len(ids) for ids in token_ids if len(ids) + params.max_tokens > self.max_model_len]
             if too_long:
