@@ -107,6 +107,19 @@ class LocalEngine(BenchEngine):
         self.llm.engine.shutdown()
 
 
+class ConstrainedEngine(BenchEngine):
+    """Another engine's runs with every request's output constrained by `structured` (structured output)."""
+
+    def __init__(self, inner: LocalEngine, structured: Any) -> None:
+        self.inner, self.structured, self.info = inner, structured, inner.info
+
+    def timed_generate(self, prompts: list[list[int]], params: Any) -> TimedRun:
+        return self.inner.timed_generate(prompts, replace(params, structured_outputs=self.structured))
+
+    def timed_stream(self, prompts: list[list[int]], params: Any, cold_cache: bool = True) -> TimedRun:
+        return self.inner.timed_stream(prompts, replace(params, structured_outputs=self.structured), cold_cache)
+
+
 class IsolatedEngine(BenchEngine):
     """An `LLM(**kwargs)` in a spawned process of its own; calls go through a pipe and block."""
 

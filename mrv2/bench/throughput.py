@@ -17,6 +17,9 @@ Prompts are random token ids of a fixed length (seeded), generation is greedy wi
   async scheduling only the time blocked on sampled ids).
 - `--compare tp`: the same, between `--tensor-parallel-size N` (2 when not given) and one
   rank, with the same engine options otherwise.
+- `--structured json`: one engine, every request once unconstrained and once constrained to
+  a JSON schema long enough to stay open for the whole output (structured output's
+  grammar masks on every step), in turn; the ratio is the median of the per-pair ratios.
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ def _tp_pair(kwargs: dict) -> list[tuple[str, dict]]:
     return [(f"tp{n}", {"tensor_parallel_size": n}), ("tp1", {"tensor_parallel_size": 1})]
 
 
+# --structured json: an object whose array needs more items than any output holds, so the grammar constrains
+# every token of the run (a schema that closes early would leave only EOS masks afterwards).
+BENCH_SCHEMA = {"type": "object", "required": ["items"], "additionalProperties": False,
+                "properties": {"items": {"type": "array", "minItems": 1000,
+                                         "items": {"type": "object", "required": ["id", "name"],
+                                                   "additionalProperties": False,
+                                                   "properties": {"id": {"type": "integer"},
+                                                                  "name": {"type": "string", "maxLength": 16}}}}}}
+
 # mrv2 against itself with one option changed: (name, options) of the two engines, the first the ratio's numerator.
 SELF_PAIRS = {"async": lambda kwargs: [("async", {"async_scheduling": True}), ("serial", {"async_scheduling": False})],
               "tp": _tp_pair}
@@ -49,6 +61,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated: hf (transformers generate), llama.cpp (llama-cpp-python on the same GGUF); "
                         "or async alone (async scheduling on vs off), or tp alone (--tensor-parallel-size vs 1)")
     p.add_argument("--repeat", type=int, default=1, help="timed runs of each engine (the median is reported)")
+    p.add_argument("--structured", choices=["json"], default=None,
+                   help="time every workload unconstrained and constrained to a JSON schema, side by side")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--plot", default=None, help="also draw output tok/s against batch size per engine to this PNG")
 
@@ -98,6 +112,15 @@ def run(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     if compare and compare[0] in SELF_PAIRS:
         engines = {name: IsolatedEngine(kwargs | options) for name, options in SELF_PAIRS[compare[0]](kwargs)}
+    elif args.structured:
+        if compare:
+            raise ValueError("--structured compares mrv2 with itself; drop --compare")
+        from mrv2.bench.engines import ConstrainedEngine
+        from mrv2.sampling_params import StructuredOutputsParams
+
+        plain = LocalEngine(LLM(**kwargs))
+        engines = {"structured": ConstrainedEngine(plain, StructuredOutputsParams(json=BENCH_SCHEMA)),
+                   "unconstrained": plain}
     else:
         engines = {"mrv2": LocalEngine(LLM(**kwargs))}
     try:
@@ -142,7 +165,7 @@ def _measure(args: argparse.Namespace, sizes: list[int], compare: list[str], eng
                             "async_scheduling": engines[name].info.async_scheduling}
             print(f"batch {b:3d} {name:9s}: {total_out / t:8.1f} output tok/s  total {t:6.2f} s  "
                   f"host waits for the device {100 * result[name]['host_wait_share']:5.1f}% of the time")
-        if compare and compare[0] in SELF_PAIRS:
+        if len(engines) == 2:  # mrv2 against itself, one option changed
             first, second = engines
             pair_ratios = [s.seconds / a.seconds for a, s in zip(runs[first], runs[second])]
             ratio = float(np.median(pair_ratios))
@@ -150,8 +173,9 @@ def _measure(args: argparse.Namespace, sizes: list[int], compare: list[str], eng
             result[f"ratio_{first}_over_{second}"] = ratio
             result["pair_ratios"] = pair_ratios
             result["identical_completions"] = same
+            where = "each engine in its own process; " if compare else ""
             print(f"batch {b:3d} ratio {first}/{second} throughput: {ratio:.3f}x (median of {args.repeat} pairs, "
-                  f"each engine in its own process; identical greedy completions: {same}/{b})")
+                  f"{where}identical greedy completions: {same}/{b})")
         ours = runs["mrv2"][-1].token_ids if "mrv2" in runs else []
         for name, peer in peers.items():
             peer_result = result[name] = _time_peer(peer, prompts, args)

@@ -6,6 +6,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -393,3 +394,28 @@ def test_speculative_decoding_serves_the_same_text_and_reports_acceptance(client
         assert m["mrv2:spec_decode_num_accepted_tokens_per_pos_total"] == accepted
     finally:
         assert s.stop() in (0, -signal.SIGTERM)
+
+
+def test_structured_output_through_response_format_and_structured_outputs(client, server):
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
+              "properties": {"city": {"type": "string", "maxLength": 20},
+                             "population": {"type": "integer", "minimum": 0}}}
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A city as JSON"}], max_tokens=60, temperature=1.0, n=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    for choice in chat.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="Call me at", max_tokens=20, stream=True, extra_body={"structured_outputs": {
+            "regex": r" \d{3}-\d{4}"}}))
+    assert re.fullmatch(r" \d{3}-\d{4}", streamed)
+    with pytest.raises(openai.BadRequestError, match="structured_outputs.regex is invalid"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={"structured_outputs": {
+            "regex": "([a-z"}})
+    with pytest.raises(openai.BadRequestError, match="response_format.type must be"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                       response_format={"type": "yaml"})
+    assert server.wait_idle()["mrv2:kv_cache_usage_perc"] == 0

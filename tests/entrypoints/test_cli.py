@@ -206,3 +206,14 @@ def test_bench_throughput_compares_tensor_parallel_with_one_rank(tmp_path: Path,
     assert res["identical_completions"] == 2  # fp32: two ranks give one rank's tokens
     assert res["ratio_tp2_over_tp1"] == pytest.approx(res["pair_ratios"][0])
     assert "ratio tp2/tp1" in r.stdout
+
+
+def test_bench_throughput_times_structured_output_beside_unconstrained(tmp_path: Path):
+    out = tmp_path / "bench.json"
+    r = run("bench", "throughput", "--batch-sizes", "2", "--input-len", "8", "--output-len", "12", "--structured",
+            "json", "--json", str(out), "--max-model-len", "256", exact=False)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())["results"]["2"]
+    assert res["ratio_structured_over_unconstrained"] == pytest.approx(res["pair_ratios"][0])
+    assert res["structured"]["output_tok_s"] > 0 and res["unconstrained"]["output_tok_s"] > 0
+    assert "ratio structured/unconstrained" in r.stdout
