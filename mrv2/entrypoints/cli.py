@@ -65,15 +65,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give a prompt or --input FILE (exactly one)")
     params = sampling_params(args, args.seed if not is_greedy(args.temperature) else None)
+    items = _read_inputs(args.input) if args.input is not None else None  # a bad file fails before the model loads
     llm = LLM(**engine_kwargs(args))
-    if args.input is None:
+    if items is None:
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
         else:
             out = llm.generate(args.prompt, params)[0]
         print(out.outputs[0].text)
         return 0
-    items = _read_inputs(args.input)
     tokenizer = llm.get_tokenizer()
     prompts = []
     for item in items:

@@ -49,14 +49,3 @@ def test_a_whole_run_writes_json_and_a_plot(tmp_path):
         assert level["output_tok_s"] > 0 and level["ttft_ms"]["p99"] >= level["ttft_ms"]["p50"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-
-def test_pd_run_reports_both_deployments_side_by_side(tmp_path, capsys):
-    out = tmp_path / "serve.json"
-    code = main(["bench", "serve", "--pd", "--concurrency", "2", "--num-prompts", "2", "--input-len", "8",
-                 "--output-len", "4", "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory",
-                 str(160 << 20), "--json", str(out)])
-    assert code == 0
-    result = json.loads(out.read_text())
-    for levels in (result["levels"], result["pd_levels"]):
-        assert levels["2"]["requests"] == 2 and levels["2"]["failed"] == 0 and levels["2"]["ttft_ms"]["p50"] > 0
-    assert "prefill+decode / one instance" in capsys.readouterr().out

@@ -5,9 +5,10 @@ decode instance claims expire. Then the same through two servers and `mrv2 proxy
 
 from __future__ import annotations
 
+import asyncio
 import json
-import re
 import os
+import re
 import time
 from dataclasses import replace
 
@@ -15,7 +16,7 @@ import openai
 import pytest
 
 from mrv2 import LLM, SamplingParams
-from mrv2.bench.serve import ServerProcess
+from mrv2.bench.serve import PDDeployment, run_load, summarize
 from mrv2.distributed.kv_transfer.shm_connector import segment_name
 
 PRODUCER = {"kv_connector": "ShmConnector", "kv_role": "kv_producer"}
@@ -125,13 +126,10 @@ def test_mla_latent_cache_travels(tiny_checkpoint):
 
 
 def test_proxy_between_two_servers_streams_what_one_server_answers(default_llm):
-    common = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", str(192 << 20)]
-    prefill = ServerProcess(common + ["--kv-transfer-config", json.dumps(PRODUCER)])
-    decode = ServerProcess(common + ["--kv-transfer-config", json.dumps(CONSUMER)])
-    proxy = None
+    # The deployment `mrv2 bench serve --pd` measures: two `mrv2 serve` processes and `mrv2 proxy`.
+    pd = PDDeployment(["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", str(192 << 20)])
     try:
-        proxy = ServerProcess(["--prefill", prefill.url, "--decode", decode.url], command="proxy")
-        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none")
+        client = openai.OpenAI(base_url=pd.url + "/v1", api_key="none")
         model = client.models.list().data[0].id  # the decode instance's, through the proxy
         expected = default_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0].text
         answer = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=20, temperature=0)
@@ -144,10 +142,11 @@ def test_proxy_between_two_servers_streams_what_one_server_answers(default_llm):
         assert chat.choices[0].message.content
         with pytest.raises(openai.BadRequestError):  # the prefill instance's 400 comes back as it is
             client.completions.create(model=model, prompt="", max_tokens=5)
+        # The bench's load through it: concurrent streamed requests, none failing.
+        results, wall = asyncio.run(run_load(pd.url, "none", model, [[100 + i] * 8 for i in range(4)], 4, 4, None, 0))
+        assert summarize(results, wall)["failed"] == 0
     finally:
-        for server in (proxy, prefill, decode):
-            if server is not None:
-                server.stop()
+        pd.stop()
 
 
 @pytest.mark.parametrize("config, problem", [

@@ -42,10 +42,11 @@ def test_generate_with_stop_strings_and_penalties(default_llm):
     assert r.stdout.strip() == expected.text.strip() and expected.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("mode", ["full", "piecewise"])
-def test_generate_with_graph_mode(default_llm, mode):
+@pytest.mark.parametrize("mode, extra", [("full", []), ("piecewise", ["--no-graph-compile"])])
+def test_generate_with_graph_mode(default_llm, mode, extra):
+    # Compiled pieces are tested in tests/runner and tests/engine; here the options' way through the CLI.
     r = run("generate", "The capital of France is", "--max-tokens", "8", "--max-model-len", "512",
-            "--graph-mode", mode, "--graph-capture-sizes", "1,2,4,8")
+            "--graph-mode", mode, "--graph-capture-sizes", "1,2,4,8", *extra)
     assert r.returncode == 0, r.stderr
     expected = default_llm.generate("The capital of France is", _greedy(8))[0].outputs[0].text
     assert r.stdout.strip() == expected.strip()
@@ -147,17 +148,17 @@ def test_bench_throughput_rejects_bad_compare(compare, problem):
 
 def test_bench_throughput_compares_async_on_and_off(tmp_path: Path):
     out = tmp_path / "bench.json"
-    r = run("bench", "throughput", "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "6", "--compare",
+    r = run("bench", "throughput", "--batch-sizes", "3", "--input-len", "8", "--output-len", "6", "--compare",
             "async", "--repeat", "2", "--json", str(out), "--max-model-len", "256", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())["results"]
-    assert set(result) == {"1", "3"}
+    assert set(result) == {"3"}
     for b, res in result.items():
         assert res["identical_completions"] == int(b)
         assert res["ratio_async_over_serial"] == pytest.approx(float(np.median(res["pair_ratios"])))
         for side in ("async", "serial"):
             assert res[side]["output_tok_s"] > 0 and 0 < res[side]["host_wait_share"] <= 1
-    assert r.stdout.count("ratio async/serial") == 2
+    assert r.stdout.count("ratio async/serial") == 1
 
 
 def test_bench_throughput_async_engine_process_reports_bad_model():

@@ -122,7 +122,7 @@ class DistributedExecutor(Executor):
             raise
         except Exception as exc:
             if isinstance(exc, RuntimeError):
-                deadline = time.monotonic() + 5  # the peer's socket may close before its exit is seen
+                deadline = time.monotonic() + 1  # the peer's socket may close before its exit is seen
                 while time.monotonic() < deadline and not self._dead_workers():
                     time.sleep(0.05)
                 if dead := self._dead_workers():
