@@ -6,7 +6,6 @@ decode instance claims expire. Then the same through two servers and `mrv2 proxy
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import time
