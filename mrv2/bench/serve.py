@@ -243,7 +243,7 @@ def plot(levels: dict[str, dict[str, Any]], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-PD_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+PD_ROLES = ("kv_producer", "kv_consumer")  # the prefill instance, then the decode one
 
 
 class PDDeployment:
@@ -252,7 +252,7 @@ class PDDeployment:
     def __init__(self, engine_argv: list[str]) -> None:
         self.servers: list[ServerProcess] = []
         try:
-            for role in PD_ROLES.values():
+            for role in PD_ROLES:
                 config = json.dumps({"kv_connector": "ShmConnector", "kv_role": role})
                 self.servers.append(ServerProcess(engine_argv + ["--kv-transfer-config", config]))
             self.servers.append(ServerProcess(["--prefill", self.servers[0].url, "--decode", self.servers[1].url],

@@ -32,8 +32,7 @@ import numpy as np
 
 
 def _tp_pair(kwargs: dict) -> list[tuple[str, dict]]:
-    n = kwargs.get("tensor_parallel_size") or 1
-    n = n if n > 1 else 2
+    n = max(kwargs.get("tensor_parallel_size") or 1, 2)
     return [(f"tp{n}", {"tensor_parallel_size": n}), ("tp1", {"tensor_parallel_size": 1})]
 
 

@@ -36,7 +36,7 @@ class ShmExchange:
         if name is None:
             self._shm.buf[:world * _HEADER] = bytes(world * _HEADER)
             # Removed at close, or when this object (or the process) goes without one.
-            self._unlink = weakref.finalize(self, _unlink, self._shm)
+            self._unlink = weakref.finalize(self, unlink_segment, self._shm)
         else:  # rank 0 owns the segment: this process's tracker must not remove it when it exits
             resource_tracker.unregister(self._shm._name, "shared_memory")
         self.name = self._shm.name
@@ -88,8 +88,10 @@ class ShmExchange:
             self._unlink()
 
 
-def _unlink(shm: shared_memory.SharedMemory) -> None:
+def unlink_segment(shm: shared_memory.SharedMemory) -> bool:
+    """Remove a shared-memory segment's name; False if something removed it already."""
     try:
         shm.unlink()
     except FileNotFoundError:
-        pass
+        return False
+    return True

@@ -320,15 +320,13 @@ class LLMEngine:
             self._fail(sched)
             raise
         updated = self.scheduler.update_from_output(sched, runner_out)
-        if self.structured is not None:
-            self.structured.advance(updated)
         if self.proposer is not None:  # drafts for the next step, from the tokens just sampled
             self.proposer.propose_for(r for r in updated if r.status == RequestStatus.RUNNING)
         stopped = self.output_processor.detokenize(updated)
         if stopped:  # a stop string: the request ends now, like one that sampled a stop token
             self.scheduler.finish_requests([r.req_id for r in stopped], RequestStatus.FINISHED_STOPPED)
-            if self.structured is not None:
-                self.structured.drop([r.req_id for r in stopped])
+        if self.structured is not None:  # after stop strings: it drops the matchers of finished requests
+            self.structured.advance(updated)
         return self.output_processor.make_outputs(updated)
 
     def _fail(self, sched: SchedulerOutput) -> None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
 import itertools
 import sys
 import time
+from typing import Any
 from collections.abc import Sequence
 
 from mrv2.sampling_params import SamplingParams

@@ -181,7 +181,8 @@ class Scheduler:
                     break
                 num_new = budget
             request.num_computed_tokens = num_hit
-            if self.kv_cache_manager.allocate_slots(request, external + num_new + self._lookahead(request, external + num_new),
+            num_slots = external + num_new
+            if self.kv_cache_manager.allocate_slots(request, num_slots + self._lookahead(request, num_slots),
                                                     computed) is None:
                 request.num_computed_tokens = 0
                 break

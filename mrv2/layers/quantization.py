@@ -72,10 +72,7 @@ class QuantizedWeight:
         if dim == 0:
             mins = self.mins[start:start + length] if self.mins is not None else None
             return QuantizedWeight(self.qtype, self.codes[start:start + length], self.scales[start:start + length], mins)
-        if start % GGUF_BLOCK or length % GGUF_BLOCK:
-            raise ValueError(f"a {self.qtype} weight splits by columns only at {GGUF_BLOCK}-weight blocks, "
-                             f"not at [{start}, {start + length})")
-        b, n = start // GGUF_BLOCK, length // GGUF_BLOCK
+        b, n = column_blocks(self.qtype, start, length)
         mins = self.mins[:, b:b + n] if self.mins is not None else None
         return QuantizedWeight(self.qtype, self.codes[:, start:start + length], self.scales[:, b:b + n], mins)
 
@@ -88,6 +85,14 @@ class QuantizedWeight:
         mins = torch.cat([p.mins for p in parts]) if parts[0].mins is not None else None
         return QuantizedWeight(parts[0].qtype, torch.cat([p.codes for p in parts]),
                                torch.cat([p.scales for p in parts]), mins)
+
+
+def column_blocks(qtype: str, start: int, length: int) -> tuple[int, int]:
+    """(first block, blocks) of weight columns [start, start + length), which must be whole 32-weight blocks."""
+    if start % GGUF_BLOCK or length % GGUF_BLOCK:
+        raise ValueError(f"a {qtype} weight splits by columns only at {GGUF_BLOCK}-weight blocks, "
+                         f"not at [{start}, {start + length})")
+    return start // GGUF_BLOCK, length // GGUF_BLOCK
 
 
 def int4_kernel_supports(n: int, k: int) -> bool:

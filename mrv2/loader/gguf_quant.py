@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mrv2.layers.quantization import GGUF_BLOCK, QuantizedWeight
+from mrv2.layers.quantization import QuantizedWeight, column_blocks
 from mrv2.loader.cache import QUANT_FILE
 
 # GGUF type name -> (weights, bytes) per block
@@ -114,11 +114,8 @@ class LazyQuantizedWeight:
         dim, start, length = part
         if dim == 0:
             return stored_weight(self.qtype, {p: s[start:start + length] for p, s in self._slices.items()})
-        if start % GGUF_BLOCK or length % GGUF_BLOCK:
-            raise ValueError(f"a {self.qtype} weight splits by columns only at {GGUF_BLOCK}-weight blocks, "
-                             f"not at [{start}, {start + length})")
         spans = {"codes": (start // self._per_byte, length // self._per_byte)}
-        spans["scales"] = spans["mins"] = (start // GGUF_BLOCK, length // GGUF_BLOCK)
+        spans["scales"] = spans["mins"] = column_blocks(self.qtype, start, length)
         return stored_weight(self.qtype, {p: s[:, spans[p][0]:spans[p][0] + spans[p][1]]
                                           for p, s in self._slices.items()})
 

@@ -85,7 +85,7 @@ class DistributedExecutor(Executor):
 
     def check_health(self) -> None:
         if dead := self._dead_workers():
-            raise RankFailedError(f"tensor-parallel worker {'; '.join(dead)}; the engine cannot continue")
+            raise _gone(dead)
         if self._broken is not None:
             raise RankFailedError(f"a tensor-parallel step failed on rank 0 ({self._broken}) while the other "
                                   f"ranks ran it: the ranks are out of step; restart the engine")
@@ -126,8 +126,7 @@ class DistributedExecutor(Executor):
                 while time.monotonic() < deadline and not self._dead_workers():
                     time.sleep(0.05)
                 if dead := self._dead_workers():
-                    raise RankFailedError(f"tensor-parallel worker {'; '.join(dead)}; the engine cannot "
-                                          f"continue") from exc
+                    raise _gone(dead) from exc
             self._broken = f"{type(exc).__name__}: {str(exc)[:200]}"
             raise
 
@@ -139,7 +138,7 @@ class DistributedExecutor(Executor):
         while thread.is_alive():
             thread.join(0.1)
             if dead := self._dead_workers():
-                raise RankFailedError(f"tensor-parallel worker {'; '.join(dead)} while {what}")
+                raise _gone(dead, f" while {what}")
         ok, value = result[0]
         if not ok:
             raise value
@@ -151,6 +150,11 @@ class DistributedExecutor(Executor):
             status = self._store.get(f"ready/{rank}").decode()
             if status != "ok":
                 raise RankFailedError(f"tensor-parallel worker rank {rank} failed to load the model: {status}")
+
+
+def _gone(dead: list[str], tail: str = "; the engine cannot continue") -> RankFailedError:
+    """The error for workers that are gone ('rank R ...' each, from `_dead_workers`)."""
+    return RankFailedError(f"tensor-parallel worker {'; '.join(dead)}{tail}")
 
 
 def _outcome(fn: Callable[[], T]) -> tuple[bool, Any]:

@@ -14,7 +14,7 @@ step's saves (`wait_for_save`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +41,6 @@ class KVConnectorMetadata:
     saves: tuple[TransferJob, ...] = ()
     loads: tuple[TransferJob, ...] = ()
     finished_saves: tuple[str, ...] = ()  # transfers whose producer request ended: release them
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class KVConnectorScheduler(ABC):

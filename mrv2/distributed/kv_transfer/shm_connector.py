@@ -34,6 +34,7 @@ import torch
 from mrv2.config import KVTransferConfig
 from mrv2.distributed.kv_transfer.base import (KVConnectorMetadata, KVConnectorScheduler, KVConnectorWorker,
                                                TransferJob)
+from mrv2.distributed.shm_exchange import unlink_segment
 from mrv2.kv_spec import KVRegions
 
 logger = logging.getLogger("mrv2")
@@ -75,11 +76,7 @@ def remove_segment(name: str) -> bool:
     if shm is None:
         return False
     shm.close()
-    try:
-        shm.unlink()
-    except FileNotFoundError:
-        return False
-    return True
+    return unlink_segment(shm)
 
 
 class ShmConnectorScheduler(KVConnectorScheduler):
@@ -272,10 +269,7 @@ class ShmConnectorWorker(KVConnectorWorker):
             self.stats.bytes_loaded[job.transfer_id] = (job.end - job.start) * sum(self._widths)
         finally:
             shm.close()
-            try:
-                shm.unlink()
-            except FileNotFoundError:
-                pass
+            unlink_segment(shm)
 
     def save_kv_layer(self, layer: int) -> None:
         for job, blocks, offsets in self._step_saves:
