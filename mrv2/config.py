@@ -32,7 +32,9 @@ class ModelConfig:
     makes a request's logits bitwise independent of the batch it runs in (batch size,
     chunking, preemption, cache hits) at a cost in speed: matmuls in fixed row tiles,
     attention in fixed-shape tiles over max_model_len keys, dense weights
-    (`mrv2.layers.batch_invariant`, `mrv2.attention.batch_invariant`).
+    (`mrv2.layers.batch_invariant`, `mrv2.attention.batch_invariant`). `attention_backend`
+    names a registered attention backend (`mrv2.attention.registry`) instead of the platform's
+    choice, as vLLM's `--attention-backend`.
     """
 
     model: str | None = None
@@ -42,8 +44,11 @@ class ModelConfig:
     seed: int = 0
     quantization: str | None = "auto"
     batch_invariant: bool = False
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
+        if self.batch_invariant and self.attention_backend is not None:
+            raise ValueError("batch_invariant=True chooses its own attention backend; drop attention_backend")
         if self.quantization not in ("auto", "gguf", "none", None):
             raise ValueError(f"quantization must be 'auto', 'gguf' or None, got {self.quantization!r}")
         if self.quantization == "none":  # the CLI's spelling of None

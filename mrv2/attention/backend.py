@@ -86,6 +86,10 @@ class AttentionBackend(ABC):
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         """Per-step metadata shared by all layers."""
 
+    def warm_up(self, num_heads: int, scale: float, cache: Any) -> None:
+        """Prepare kernels (e.g. compile them) for layers of `num_heads` query heads and softmax `scale`
+        over `cache` (a layer's `LayerKVCache`), once the cache exists, before the first step. Default: nothing."""
+
     def transient_bytes(self, num_reqs: int, num_tokens: int, max_seq_len: int, spec: KVCacheSpec) -> int:
         """Peak bytes one layer's attention allocates and frees within a step of these sizes.
 

@@ -14,7 +14,8 @@ from mrv2.attention.backend import AttentionBackend
 from mrv2.platforms import Platform
 
 # Modules whose import registers the built-in backends.
-_BUILTIN_MODULES = ("mrv2.attention.torch_paged", "mrv2.attention.torch_mla", "mrv2.attention.batch_invariant")
+_BUILTIN_MODULES = ("mrv2.attention.torch_paged", "mrv2.attention.torch_mla", "mrv2.attention.batch_invariant",
+                    "mrv2.attention.paged_decode")
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 
@@ -35,14 +36,26 @@ def registered_backends() -> dict[str, type[AttentionBackend]]:
     return dict(_BACKENDS)
 
 
-def get_attention_backend(platform: Platform, kind: str, batch_invariant: bool = False) -> AttentionBackend:
+def get_attention_backend(platform: Platform, kind: str, batch_invariant: bool = False,
+                          name: str | None = None) -> AttentionBackend:
     """A new instance of the backend `platform` prefers for attention `kind`.
 
     `batch_invariant`: a backend whose outputs do not depend on the batch (`batch_invariant = True`),
-    in registration order, whatever the platform prefers.
+    in registration order, whatever the platform prefers. `name`: that backend, which must
+    serve `kind` and be available here.
     """
     names = platform.attention_backend_names(kind)  # raises for a kind the platform does not know
     backends = registered_backends()
+    if name is not None:
+        cls = backends.get(name)
+        if cls is None:
+            raise ValueError(f"attention_backend {name!r} is not registered (registered: {sorted(backends)})")
+        if cls.kind != kind:
+            raise ValueError(f"attention_backend {name!r} serves {cls.kind!r} attention, but this model needs "
+                             f"{kind!r} (those: {sorted(n for n, c in backends.items() if c.kind == kind)})")
+        if not cls.is_available():
+            raise ValueError(f"attention_backend {name!r} is not available here")
+        return cls()
     if batch_invariant:
         for cls in backends.values():
             if cls.batch_invariant and cls.kind == kind and cls.is_available():

@@ -23,6 +23,7 @@ without bound: bf16 SDPA over 3000 random shapes added 475 MB of resident memory
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,7 +57,7 @@ class TorchPagedMetadata:
 
     slot_mapping: torch.Tensor
     num_decodes: int
-    decode: _Group | None
+    decode: Any  # the decode rows' work (`_decode_metadata`), None without decodes
     prefills: list[_Group]  # consecutive runs of prefill rows, each one SDPA call
 
 
@@ -100,25 +101,27 @@ class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchPagedMetadata:
-        nd, n, bs = common.num_decodes, common.num_reqs, common.block_size
+        nd, n = common.num_decodes, common.num_reqs
         qsl_cpu, seq_cpu = common.query_start_loc_cpu, common.seq_lens_cpu
-        decode = None
-        static = common.static_shapes
-        if nd > 0:
-            max_len = common.max_seq_len if static else int(seq_cpu[:nd].max())
-            blocks, num_keys = _blocks(common.block_table[:nd], max_len, bs)
-            j = torch.arange(num_keys, device=blocks.device)
-            # A padded request (length 0) attends key 0 of the null block, so its softmax is never empty.
-            mask = j < common.seq_lens[:nd, None].clamp(min=1)
-            decode = _Group(blocks, nd, num_keys, mask[:, None, None, :])
+        decode = self._decode_metadata(common) if nd > 0 else None
         prefills = []
         if nd < n:
             qlens_cpu = qsl_cpu[nd + 1:n + 1] - qsl_cpu[nd:n]
             # Static shapes (graph capture) keep one group; else runs of similar rows, so one long
             # prompt does not pad every short chunk beside it to its length.
-            bounds = [nd, n] if static else _group_bounds(qlens_cpu, seq_cpu[nd:n], nd)
+            bounds = [nd, n] if common.static_shapes else _group_bounds(qlens_cpu, seq_cpu[nd:n], nd)
             prefills = [self._prefill_group(common, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
         return TorchPagedMetadata(common.slot_mapping, nd, decode, prefills)
+
+    def _decode_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """The decode rows' work (rows [0, num_decodes)): one SDPA group over their gathered blocks."""
+        nd = common.num_decodes
+        max_len = common.max_seq_len if common.static_shapes else int(common.seq_lens_cpu[:nd].max())
+        blocks, num_keys = _blocks(common.block_table[:nd], max_len, common.block_size)
+        j = torch.arange(num_keys, device=blocks.device)
+        # A padded request (length 0) attends key 0 of the null block, so its softmax is never empty.
+        mask = j < common.seq_lens[:nd, None].clamp(min=1)
+        return _Group(blocks, nd, num_keys, mask[:, None, None, :])
 
     @staticmethod
     def _prefill_group(common: CommonAttentionMetadata, lo: int, hi: int) -> _Group:
@@ -172,18 +175,20 @@ class TorchPagedAttention(AttentionBackend):
         cache["v"].flatten(0, 1).index_copy_(0, metadata.slot_mapping, value[:num_tokens])
         out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
         if metadata.decode is not None:
-            g = metadata.decode
-            k, v = self._gather(cache, g)
-            # The query heads sharing a KV head attend as that head's "query positions": no
-            # repeated K/V (SDPA's enable_gqa measured 5x slower for one query per request).
-            q = query[:g.num_rows].unflatten(1, (k.shape[1], -1))
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
-            out[:g.num_rows] = o.flatten(1, 2)
+            out[:metadata.num_decodes] = self._decode(query, cache, metadata.decode, scale)
         for g in metadata.prefills:
             k, v = self._gather(cache, g)
             o = self._sdpa(query[g.query_index].transpose(1, 2), k, v, g.mask, scale)
             out[g.token_start:g.token_end] = o.transpose(1, 2).flatten(0, 1)[g.out_index]
         return out
+
+    def _decode(self, query: torch.Tensor, cache: LayerKVCache, g: Any, scale: float) -> torch.Tensor:
+        """Attention of the decode rows (the first `g.num_rows` queries) -> [rows, H, Dv]."""
+        k, v = self._gather(cache, g)
+        # The query heads sharing a KV head attend as that head's "query positions": no
+        # repeated K/V (SDPA's enable_gqa measured 5x slower for one query per request).
+        q = query[:g.num_rows].unflatten(1, (k.shape[1], -1))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale).flatten(1, 2)
 
     @staticmethod
     def _gather(cache: LayerKVCache, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:

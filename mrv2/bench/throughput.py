@@ -17,6 +17,8 @@ Prompts are random token ids of a fixed length (seeded), generation is greedy wi
   async scheduling only the time blocked on sampled ids).
 - `--compare tp`: the same, between `--tensor-parallel-size N` (2 when not given) and one
   rank, with the same engine options otherwise.
+- `--compare attention`: the same, between the CPU's attention backends: `inductor-paged`
+  (decode attention compiled to read KV blocks in place, the default) and `torch` (blocks gathered).
 - `--structured json`: one engine, every request once unconstrained and once constrained to
   a JSON schema long enough to stay open for the whole output (structured output's
   grammar masks on every step), in turn; the ratio is the median of the per-pair ratios.
@@ -47,7 +49,10 @@ BENCH_SCHEMA = {"type": "object", "required": ["items"], "additionalProperties":
 
 # mrv2 against itself with one option changed: (name, options) of the two engines, the first the ratio's numerator.
 SELF_PAIRS = {"async": lambda kwargs: [("async", {"async_scheduling": True}), ("serial", {"async_scheduling": False})],
-              "tp": _tp_pair}
+              "tp": _tp_pair,
+              # decode attention reading KV blocks in place (the CPU's default) vs gathering them
+              "attention": lambda kwargs: [("inductor-paged", {"attention_backend": "inductor-paged"}),
+                                           ("torch", {"attention_backend": "torch"})]}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -58,7 +63,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--compare", default=None,
                    help="comma-separated: hf (transformers generate), llama.cpp (llama-cpp-python on the same GGUF); "
-                        "or async alone (async scheduling on vs off), or tp alone (--tensor-parallel-size vs 1)")
+                        "or async alone (async scheduling on vs off), tp alone (--tensor-parallel-size vs 1), or "
+                        "attention alone (decode attention in place vs gathered)")
     p.add_argument("--repeat", type=int, default=1, help="timed runs of each engine (the median is reported)")
     p.add_argument("--structured", choices=["json"], default=None,
                    help="time every workload unconstrained and constrained to a JSON schema, side by side")
@@ -76,7 +82,7 @@ def _compared(args: argparse.Namespace) -> list[str]:
     names = [c.strip() for c in args.compare.split(",")]
     unknown = [c for c in names if c not in (*PEERS, *SELF_PAIRS)]
     if unknown:
-        raise ValueError(f"--compare: unknown engine {unknown[0]!r}; choose from hf, llama.cpp, async, tp")
+        raise ValueError(f"--compare: unknown engine {unknown[0]!r}; choose from {', '.join((*PEERS, *SELF_PAIRS))}")
     if any(n in SELF_PAIRS for n in names) and len(names) > 1:
         raise ValueError(f"--compare {names[0] if names[0] in SELF_PAIRS else names[1]} compares mrv2 with "
                          f"itself; it does not combine with other engines")

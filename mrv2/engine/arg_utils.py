@@ -40,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV blocks of prefixes shared between requests (default: on)")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
                    help="bitwise-identical logprobs for a request whatever batch it runs in (slower)")
+    g.add_argument("--attention-backend", default=None,
+                   help="an attention backend by name instead of the platform's choice "
+                        "(CPU: inductor-paged, the default, or torch)")
     g.add_argument("--speculative-config", type=_json_dict, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -84,4 +87,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 batch_invariant=args.batch_invariant, speculative_config=args.speculative_config,
                 tensor_parallel_size=args.tensor_parallel_size,
                 distributed_executor_backend=args.distributed_executor_backend,
-                kv_transfer_config=args.kv_transfer_config, structured_outputs_backend=args.structured_outputs_backend)
+                kv_transfer_config=args.kv_transfer_config, structured_outputs_backend=args.structured_outputs_backend,
+                attention_backend=args.attention_backend)

@@ -36,13 +36,15 @@ def engine_config(model: str | None = None, *, tokenizer: str | None = None, dty
                   speculative_config: dict[str, Any] | None = None, tensor_parallel_size: int = 1,
                   distributed_executor_backend: str | None = None,
                   kv_transfer_config: dict[str, Any] | None = None,
-                  structured_outputs_backend: str = "xgrammar") -> EngineConfig:
+                  structured_outputs_backend: str = "xgrammar",
+                  attention_backend: str | None = None) -> EngineConfig:
     """The EngineConfig for `LLM(...)` / `AsyncLLM(...)` keyword arguments (see `LLM`)."""
     kv_transfer_config = KVTransferConfig.from_dict(kv_transfer_config)
     kv_transfer = kv_transfer or kv_transfer_config is not None  # a connector registers the aligned cache
     return EngineConfig(
         model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                          quantization=quantization, batch_invariant=batch_invariant),
+                          quantization=quantization, batch_invariant=batch_invariant,
+                          attention_backend=attention_backend),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                           memory_fraction=kv_cache_memory_fraction, layout=kv_cache_layout,
                           kv_transfer=kv_transfer, enable_prefix_caching=enable_prefix_caching),
@@ -78,7 +80,9 @@ class LLM:
     (see `ModelConfig`). `enable_prefix_caching` lets requests reuse the KV blocks of a
     prefix another request computed (vLLM's automatic prefix caching).
     `batch_invariant` makes each request's logprobs bitwise identical whatever batch,
-    chunking or cache state it runs in, slower (see `ModelConfig`).
+    chunking or cache state it runs in, slower (see `ModelConfig`). `attention_backend`
+    names the attention backend instead of the platform's choice ("inductor-paged", decode
+    attention compiled to read KV blocks in place, and "torch", gathering them, for GQA on the CPU).
     `speculative_config` ({"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_min": 1, "prompt_lookup_max": 4}) verifies up to k drafted tokens per
     request and step in one forward; outputs equal those without it (see `SpeculativeConfig`).

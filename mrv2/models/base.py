@@ -46,6 +46,9 @@ class SplitAttention(Protocol):
     def output(self, attn_out: torch.Tensor) -> torch.Tensor:
         """The output projection back to the hidden size."""
 
+    def warm_up(self) -> None:
+        """Let the attention backend prepare its kernels for this layer (after the KV cache is bound)."""
+
 
 class PreNormBlock(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)), with the residual add fused into the norms.

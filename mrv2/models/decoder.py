@@ -104,6 +104,9 @@ class Attention(nn.Module):
     def attend(self, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor:
         return self.backend.forward(*inputs, self.kv_cache, attn_metadata, self.scale)
 
+    def warm_up(self) -> None:
+        self.backend.warm_up(self.num_heads, self.scale, self.kv_cache)
+
     def output(self, attn_out: torch.Tensor) -> torch.Tensor:
         return self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
 

@@ -130,6 +130,9 @@ class MLAAttention(nn.Module):
     def output(self, attn_out: torch.Tensor) -> torch.Tensor:
         return self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
 
+    def warm_up(self) -> None:
+        self.backend.warm_up(self.num_heads, self.scale, self.kv_cache)
+
 
 class DeepseekForCausalLM(CausalLM):
     """DeepSeek-V2 / V3 causal LM: MLA in every block, dense MLP or MoE after it."""

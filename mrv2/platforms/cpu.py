@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 from functools import lru_cache
+from types import MappingProxyType
 
 import torch
 
@@ -53,6 +54,9 @@ class CpuPlatform(Platform):
     ranks_share_memory = True
     # Tensors live in host RAM already; the exchange needs x86's store ordering.
     shm_collectives = platform.machine() in ("x86_64", "AMD64")
+    # Decode attention compiled by Inductor reads KV blocks in place (`mrv2.attention.paged_decode`:
+    # 2-3x the gather + SDPA path per layer); the gather path where no C++ compiler is found.
+    attention_backends = MappingProxyType({"gqa": ("inductor-paged", "torch"), "mla": ("torch-mla",)})
 
     def is_available(self) -> bool:
         return True

@@ -70,7 +70,8 @@ class ModelRunner:
         pin = platform.pin_memory()
 
         batch_invariant = config.model.batch_invariant
-        self.attn_backend = get_attention_backend(platform, attention_kind(hf_config), batch_invariant)
+        self.attn_backend = get_attention_backend(platform, attention_kind(hf_config), batch_invariant,
+                                                  config.model.attention_backend)
         with torch.device(self.device):
             self.model = build_model(hf_config, self.attn_backend, dtype, self.max_model_len, tp)
         self.model.load_weights(weights)
@@ -119,6 +120,7 @@ class ModelRunner:
                                                   self.max_model_len, self.block_size, self.graphs.pool,
                                                   greedy=not self.drafter.probabilistic)
         self.kv_cache: KVCache | None = None
+        self._attention_layers: list[torch.nn.Module] = []  # bound to the cache's layers, target then drafter
         self._pending: _PendingStep | None = None
         self.timing = StepTiming()
         # Device work runs in launch order on this queue; with async scheduling the host
@@ -190,6 +192,7 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(self.kv_cache_specs(), self.config.cache.layout, num_blocks,
                                           self.block_size, alignment, self.device)
         layers = self.model.attention_layers() + (self.drafter.head.attention_layers() if self.drafter else [])
+        self._attention_layers = layers
         for layer, cache in zip(layers, self.kv_cache.layers, strict=True):
             layer.kv_cache = cache
         if self.kv_connector is not None:  # the target's layers travel; a drafter's stay
@@ -200,11 +203,17 @@ class ModelRunner:
         return self.kv_cache
 
     def capture_graphs(self) -> None:
-        """Capture every graph descriptor (after the KV cache exists); a no-op when running eagerly."""
+        """Warm the attention kernels up and capture every graph descriptor (after the KV cache exists)."""
+        # On the device queue, as every step runs: compiled kernels guard on its thread count and mode.
+        self.queue.launch(self._warm_up_attention).result()
         if self.graphs is not None:
             self.graphs.capture()
         if self.drafter is not None and self.drafter.graphs is not None:
             self.drafter.graphs.capture()
+
+    def _warm_up_attention(self) -> None:
+        for layer in self._attention_layers:  # layers of one shape cost one compile, in the first
+            layer.warm_up()
 
     # -- the step --
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mrv2.attention import AttentionBackend, get_attention_backend, registered_backends
-from mrv2.attention import registry
+from mrv2.attention import paged_decode, registry
+from mrv2.attention.paged_decode import InductorPagedAttention
 from mrv2.attention.torch_mla import TorchMLAAttention
 from mrv2.attention.torch_paged import TorchPagedAttention
 from mrv2.kv_spec import KVCacheSpec, KVPart
@@ -16,11 +17,26 @@ from mrv2.runner.kv_cache import allocate_kv_cache
 PLATFORMS = [CpuPlatform, CudaPlatform, NpuPlatform]  # constructing one needs no device
 
 
-@pytest.mark.parametrize("platform_cls", PLATFORMS)
-@pytest.mark.parametrize("kind,expected", [("gqa", TorchPagedAttention), ("mla", TorchMLAAttention)])
-def test_every_platform_chooses_the_torch_backends_today(platform_cls, kind, expected):
+@pytest.mark.parametrize("platform_cls, kind, expected", [
+    (CpuPlatform, "gqa", InductorPagedAttention), (CpuPlatform, "mla", TorchMLAAttention),
+    (CudaPlatform, "gqa", TorchPagedAttention), (CudaPlatform, "mla", TorchMLAAttention),
+    (NpuPlatform, "gqa", TorchPagedAttention), (NpuPlatform, "mla", TorchMLAAttention)])
+def test_each_platform_chooses_its_backends(platform_cls, kind, expected):
     backend = get_attention_backend(platform_cls(), kind)
     assert type(backend) is expected and backend.kind == kind
+
+
+def test_the_cpu_falls_back_to_gathering_without_a_compiler(monkeypatch):
+    monkeypatch.setattr(paged_decode.shutil, "which", lambda name: None)
+    assert type(get_attention_backend(CpuPlatform(), "gqa")) is TorchPagedAttention
+
+
+def test_a_backend_chosen_by_name():
+    assert type(get_attention_backend(CpuPlatform(), "gqa", name="torch")) is TorchPagedAttention
+    with pytest.raises(ValueError, match=r"'flash' is not registered \(registered: \[.*'inductor-paged'"):
+        get_attention_backend(CpuPlatform(), "gqa", name="flash")
+    with pytest.raises(ValueError, match=r"'torch-mla' serves 'mla' attention, but this model needs 'gqa'"):
+        get_attention_backend(CpuPlatform(), "gqa", name="torch-mla")
 
 
 def test_each_call_returns_a_fresh_instance():
@@ -61,7 +77,7 @@ def fakes(monkeypatch):
 def test_the_platform_prefers_the_first_registered_available_backend(fakes):
     assert type(get_attention_backend(_Preferring(), "gqa")) is _Fast
     assert type(get_attention_backend(_Preferring(), "mla")) is TorchMLAAttention
-    assert type(get_attention_backend(CpuPlatform(), "gqa")) is TorchPagedAttention
+    assert type(get_attention_backend(CpuPlatform(), "gqa")) is InductorPagedAttention
 
 
 def test_no_available_backend_says_what_was_tried(fakes):

@@ -1,4 +1,8 @@
-"""The torch paged-attention backend against dense per-request attention in float64."""
+"""The torch paged-attention backends against dense per-request attention in float64.
+
+`TorchPagedAttention` gathers blocks for every row; `InductorPagedAttention` runs decode rows
+through its compiled in-place kernel (warmed up as an engine does) and prefills as the former.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import pytest
 import torch
 
 from mrv2.attention.backend import CommonAttentionMetadata
+from mrv2.attention.paged_decode import InductorPagedAttention, PagedDecode
 from mrv2.attention.torch_paged import TorchPagedAttention
 from mrv2.engine.scheduler_output import NewRequestData
 from mrv2.kv_spec import KVCacheSpec, LayerKVCache
@@ -33,6 +38,21 @@ SCENARIOS = {
     "long_and_short": [(3, 1), (0, 60), (48, 4), (50, 2), (47, 5), (0, 3)],
 }
 HEADS = {"gqa": (8, 2), "mha": (4, 4)}
+BACKENDS = {"torch": TorchPagedAttention, "inductor": InductorPagedAttention}
+
+
+@pytest.fixture(autouse=True)
+def _room_for_every_compiled_variant():
+    # These tests compile the decode kernel for many head counts, layouts and block sizes in one
+    # process; dynamo's default limit would quietly run the later ones uncompiled.
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
+def new_backend(name: str, heads, cache: LayerKVCache, scale: float):
+    backend = BACKENDS[name]()
+    backend.warm_up(heads[0], scale, cache)
+    return backend
 
 
 @dataclass
@@ -128,12 +148,14 @@ def reference(case: Case, scale: float) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def run(case: Case, heads, layout: str, garbage: str = "finite"):
+def run(case: Case, heads, layout: str, garbage: str = "finite", backend: str = "torch"):
     cache = make_cache(case, heads, layout, garbage)
-    backend = TorchPagedAttention()
-    meta = backend.build_metadata(make_metadata(case))
-    q, k, v = step_inputs(case)
     scale = D ** -0.5
+    backend = new_backend(backend, heads, cache, scale)
+    meta = backend.build_metadata(make_metadata(case))
+    if meta.num_decodes and isinstance(backend, InductorPagedAttention):
+        assert isinstance(meta.decode, PagedDecode)  # the compiled kernel serves the decode rows
+    q, k, v = step_inputs(case)
     out = backend.forward(q, k, v, cache, meta, scale)
     assert out.shape == (q.shape[0], heads[0], D)
     return out[:q.shape[0] - NUM_PAD], cache
@@ -143,19 +165,21 @@ def run(case: Case, heads, layout: str, garbage: str = "finite"):
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("layout", ["joint", "split"])
-def test_matches_dense_reference(scenario, heads, block_size, layout):
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_matches_dense_reference(scenario, heads, block_size, layout, backend):
     case = make_case(SCENARIOS[scenario], HEADS[heads], block_size)
-    out, _ = run(case, HEADS[heads], layout)
+    out, _ = run(case, HEADS[heads], layout, backend=backend)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), reference(case, D ** -0.5), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_layouts_agree(scenario, block_size):
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_layouts_agree(scenario, block_size, backend):
     case = make_case(SCENARIOS[scenario], HEADS["gqa"], block_size, seed=3)
-    joint, _ = run(case, HEADS["gqa"], "joint")
-    split, _ = run(case, HEADS["gqa"], "split")
+    joint, _ = run(case, HEADS["gqa"], "joint", backend=backend)
+    split, _ = run(case, HEADS["gqa"], "split", backend=backend)
     torch.testing.assert_close(joint, split, rtol=1e-6, atol=1e-6)
 
 
@@ -205,7 +229,8 @@ def test_profile_path_is_causal_self_attention(heads):
 
 
 @pytest.mark.parametrize("layout", ["joint", "split"])
-def test_with_metadata_from_input_buffers(layout):
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_with_metadata_from_input_buffers(layout, backend):
     """End to end with the runner's own metadata: RequestStates + BlockTables -> InputBuffers.prepare."""
     bs, heads = 4, HEADS["gqa"]
     reqs = SCENARIOS["mixed"]
@@ -232,12 +257,12 @@ def test_with_metadata_from_input_buffers(layout):
     assert batch.attn.num_decodes == 2
     torch.testing.assert_close(batch.attn.slot_mapping, make_metadata(case).slot_mapping)
 
-    backend = TorchPagedAttention()
+    caches = [make_cache(case, heads, layout, "finite", seed=10 + layer) for layer in range(2)]
+    backend = new_backend(backend, heads, caches[0], D ** -0.5)
     meta = backend.build_metadata(batch.attn)
     q, k, v = step_inputs(case)
     want = reference(case, D ** -0.5)
-    for layer in range(2):  # one metadata serves every layer
-        cache = make_cache(case, heads, layout, "finite", seed=10 + layer)
+    for cache in caches:  # one metadata serves every layer
         out = backend.forward(q, k, v, cache, meta, D ** -0.5)[:batch.num_tokens]
         torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
 

@@ -67,6 +67,24 @@ def test_chunked_prefill_gives_same_tokens(prompt_ids, hf_greedy):
     assert llm.engine.scheduler.block_pool.is_whole()
 
 
+def test_both_cpu_attention_backends_give_transformers_tokens(default_llm, prompt_ids, hf_greedy):
+    # The default (in `default_llm`) reads KV blocks in place; "torch" gathers them.
+    assert default_llm.engine.runner.attn_backend.name == "inductor-paged"
+    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory=32 << 20, attention_backend="torch")
+    assert llm.engine.runner.attn_backend.name == "torch"
+    assert _tokens(llm.generate(_as_inputs(prompt_ids), GREEDY_32)) == hf_greedy
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(attention_backend="flash"), "attention_backend 'flash' is not registered"),
+    (dict(attention_backend="torch-mla"), "serves 'mla' attention, but this model needs 'gqa'"),
+    (dict(attention_backend="torch", batch_invariant=True), "drop attention_backend"),
+])
+def test_bad_attention_backends_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(dtype="float32", max_model_len=64, kv_cache_memory=1 << 24, **kwargs)
+
+
 def test_preemption_gives_same_tokens(prompt_ids, hf_greedy):
     # 16 blocks of 16 tokens cannot hold nine requests of up to ~80 tokens: some are preempted.
     spec_bytes = 30 * 2 * 3 * 64 * 4 * 16

@@ -161,6 +161,17 @@ def test_bench_throughput_compares_async_on_and_off(tmp_path: Path):
     assert r.stdout.count("ratio async/serial") == 1
 
 
+def test_bench_throughput_compares_the_attention_backends(tmp_path: Path):
+    out = tmp_path / "bench.json"
+    r = run("bench", "throughput", "--batch-sizes", "3", "--input-len", "8", "--output-len", "6", "--compare",
+            "attention", "--json", str(out), "--max-model-len", "256", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())["results"]["3"]
+    assert res["identical_completions"] == 3  # fp32: in place or gathered, the same greedy tokens
+    assert res["ratio_inductor-paged_over_torch"] == pytest.approx(res["pair_ratios"][0])
+    assert "ratio inductor-paged/torch" in r.stdout
+
+
 def test_bench_throughput_async_engine_process_reports_bad_model():
     r = run("bench", "throughput", "--num-prompts", "1", "--compare", "async", "--model", "/no/such/model")
     assert r.returncode != 0 and "model not found: /no/such/model" in r.stderr
