@@ -136,7 +136,8 @@ class InductorPagedAttention(TorchPagedAttention):
             query = torch.zeros(rows, num_heads, k.shape[-1], dtype=k.dtype, device=k.device)
             table = torch.zeros(rows, 2, dtype=torch.int32, device=k.device)
             lens = torch.ones(rows, dtype=torch.int32, device=k.device)
-            for t in (query, table, lens):
+            # Rows, blocks per row and the cache's block count (each engine sizes its own) are symbols.
+            for t in (query, table, lens, k, cache["v"]):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(table, 1)
             self._decode_fn(query, k, cache["v"], table, lens, scale)

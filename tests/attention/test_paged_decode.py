@@ -22,9 +22,9 @@ H, HKV, D, BS = 9, 3, 64, 16  # the default model's heads; its block size
 NUM_BLOCKS = 512
 
 
-def _cache(dtype: torch.dtype, layout: str = "joint", seed: int = 0):
+def _cache(dtype: torch.dtype, layout: str = "joint", seed: int = 0, num_blocks: int = NUM_BLOCKS):
     spec = KVCacheSpec.gqa(HKV, D, D, dtype)
-    layer = allocate_kv_cache([spec], layout, NUM_BLOCKS, BS, 64, torch.device("cpu")).layers[0]
+    layer = allocate_kv_cache([spec], layout, num_blocks, BS, 64, torch.device("cpu")).layers[0]
     g = torch.Generator().manual_seed(seed)
     for view in layer.parts.values():
         view.copy_(torch.randn(view.shape, generator=g))
@@ -78,10 +78,13 @@ def test_the_default_models_shapes_match_the_gathering_backend(dtype, tol):
 def test_two_compiled_variants_serve_every_batch_and_context_after_warm_up():
     cache = _cache(torch.bfloat16)
     paged = _warm(cache)
+    # Another engine's cache of another size, same model: what a second engine in the process holds.
+    other = _cache(torch.bfloat16, num_blocks=NUM_BLOCKS + 100)
     # Any recompile from here on (a new batch size, block count, stride or tensor kind) raises.
     with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():
         for lens in ([1], [150], [2, 3], [40] * 7, list(range(1, 65)), [16 * 40] * 3):
             _attend(paged, cache, _decode_metadata(lens))
+            _attend(paged, other, _decode_metadata(lens))
 
 
 def test_the_eager_function_is_the_same_computation():

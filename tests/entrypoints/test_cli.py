@@ -161,10 +161,11 @@ def test_bench_throughput_compares_async_on_and_off(tmp_path: Path):
     assert r.stdout.count("ratio async/serial") == 1
 
 
-def test_bench_throughput_compares_the_attention_backends(tmp_path: Path):
+def test_bench_throughput_compares_the_attention_backends(tmp_path: Path, tiny_checkpoint):
     out = tmp_path / "bench.json"
-    r = run("bench", "throughput", "--batch-sizes", "3", "--input-len", "8", "--output-len", "6", "--compare",
-            "attention", "--json", str(out), "--max-model-len", "256", "--dtype", "float32")
+    model, _ = tiny_checkpoint("llama", tied=False)
+    r = run("bench", "throughput", "--model", str(model), "--batch-sizes", "3", "--input-len", "8", "--output-len",
+            "6", "--compare", "attention", "--json", str(out), "--max-model-len", "256", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())["results"]["3"]
     assert res["identical_completions"] == 3  # fp32: in place or gathered, the same greedy tokens
