@@ -161,18 +161,6 @@ def test_bench_throughput_compares_async_on_and_off(tmp_path: Path):
     assert r.stdout.count("ratio async/serial") == 1
 
 
-def test_bench_throughput_compares_the_attention_backends(tmp_path: Path, tiny_checkpoint):
-    out = tmp_path / "bench.json"
-    model, _ = tiny_checkpoint("llama", tied=False)
-    r = run("bench", "throughput", "--model", str(model), "--batch-sizes", "3", "--input-len", "8", "--output-len",
-            "6", "--compare", "attention", "--json", str(out), "--max-model-len", "256", "--dtype", "float32")
-    assert r.returncode == 0, r.stderr
-    res = json.loads(out.read_text())["results"]["3"]
-    assert res["identical_completions"] == 3  # fp32: in place or gathered, the same greedy tokens
-    assert res["ratio_inductor-paged_over_torch"] == pytest.approx(res["pair_ratios"][0])
-    assert "ratio inductor-paged/torch" in r.stdout
-
-
 def test_bench_throughput_async_engine_process_reports_bad_model():
     r = run("bench", "throughput", "--num-prompts", "1", "--compare", "async", "--model", "/no/such/model")
     assert r.returncode != 0 and "model not found: /no/such/model" in r.stderr
@@ -209,16 +197,18 @@ def test_bench_latency_reports_ttft_and_tpot(tmp_path: Path):
     assert len(result["runs"]) == 2 and result["ttft_s"] > 0 and result["tpot_s"] > 0
 
 
-def test_bench_throughput_compares_tensor_parallel_with_one_rank(tmp_path: Path, tiny_checkpoint):
+@pytest.mark.parametrize("pair, first, second", [("tp", "tp2", "tp1"), ("attention", "inductor-paged", "torch")])
+def test_bench_throughput_compares_mrv2_with_one_option_changed(tmp_path: Path, tiny_checkpoint, pair, first, second):
     out = tmp_path / "bench.json"
     model, _ = tiny_checkpoint("llama", tied=False)
     r = run("bench", "throughput", "--model", str(model), "--batch-sizes", "2", "--input-len", "8", "--output-len",
-            "6", "--compare", "tp", "--json", str(out), "--max-model-len", "256", "--dtype", "float32")
+            "6", "--compare", pair, "--json", str(out), "--max-model-len", "256", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())["results"]["2"]
-    assert res["identical_completions"] == 2  # fp32: two ranks give one rank's tokens
-    assert res["ratio_tp2_over_tp1"] == pytest.approx(res["pair_ratios"][0])
-    assert "ratio tp2/tp1" in r.stdout
+    # fp32: two ranks give one rank's tokens; attention in place gives the gathered one's
+    assert res["identical_completions"] == 2
+    assert res[f"ratio_{first}_over_{second}"] == pytest.approx(res["pair_ratios"][0])
+    assert f"ratio {first}/{second}" in r.stdout
 
 
 def test_bench_throughput_times_structured_output_beside_unconstrained(tmp_path: Path):
