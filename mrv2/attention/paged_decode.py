@@ -71,7 +71,8 @@ def compiled_paged_decode() -> Callable[..., torch.Tensor]:
     global _compiled
     with _compile_lock:
         if _compiled is None:
-            _compiled = torch.compile(paged_decode_attention, fullgraph=True)
+            # Not fullgraph: past dynamo's recompile limit a call then runs eagerly instead of raising.
+            _compiled = torch.compile(paged_decode_attention)
         return _compiled
 
 

@@ -204,16 +204,17 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Warm the attention kernels up and capture every graph descriptor (after the KV cache exists)."""
-        # On the device queue, as every step runs: compiled kernels guard on its thread count and mode.
-        self.queue.launch(self._warm_up_attention).result()
+        # On the device queue, where every step runs: compiled code guards on the thread's intra-op
+        # thread count and on inference mode, so a variant made elsewhere would not serve the steps.
+        self.queue.launch(self._prepare_kernels).result()
+
+    def _prepare_kernels(self) -> None:
+        for layer in self._attention_layers:  # layers of one shape cost one compile, in the first
+            layer.warm_up()
         if self.graphs is not None:
             self.graphs.capture()
         if self.drafter is not None and self.drafter.graphs is not None:
             self.drafter.graphs.capture()
-
-    def _warm_up_attention(self) -> None:
-        for layer in self._attention_layers:  # layers of one shape cost one compile, in the first
-            layer.warm_up()
 
     # -- the step --
 
