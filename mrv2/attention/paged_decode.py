@@ -19,9 +19,9 @@ C++ compiler, or should compiling fail, the log says why and the gather + SDPA p
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +30,7 @@ import torch
 
 from mrv2.attention.backend import CommonAttentionMetadata
 from mrv2.attention.registry import register_backend
-from mrv2.attention.torch_paged import TorchPagedAttention
+from mrv2.attention.torch_paged import TorchPagedAttention, longest_context
 from mrv2.kv_spec import LayerKVCache
 
 logger = logging.getLogger("mrv2")
@@ -62,18 +62,11 @@ def compiler_found() -> bool:
     return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 
-_compiled: Callable[..., torch.Tensor] | None = None
-_compile_lock = threading.Lock()
-
-
+@functools.cache
 def compiled_paged_decode() -> Callable[..., torch.Tensor]:
     """`paged_decode_attention` through torch.compile (Inductor): one per process, shared by every engine."""
-    global _compiled
-    with _compile_lock:
-        if _compiled is None:
-            # Not fullgraph: past dynamo's recompile limit a call then runs eagerly instead of raising.
-            _compiled = torch.compile(paged_decode_attention)
-        return _compiled
+    # Not fullgraph: past dynamo's recompile limit a call then runs eagerly instead of raising.
+    return torch.compile(paged_decode_attention)
 
 
 @dataclass
@@ -102,7 +95,7 @@ class InductorPagedAttention(TorchPagedAttention):
         if self._decode_fn is None:
             return super()._decode_metadata(common)
         nd = common.num_decodes
-        max_len = common.max_seq_len if common.static_shapes else int(common.seq_lens_cpu[:nd].max())
+        max_len = longest_context(common, 0, nd)
         # At least two blocks (one would be another specialization to compile). Always a fresh
         # row-major copy: the compiled variants guard on strides and on inference-mode tensors.
         nb = min(max(2, -(-max_len // common.block_size)), common.block_table.shape[1])

@@ -88,6 +88,12 @@ def _padded_query_len(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length() if n <= QUERY_MULTIPLE else _round_up(n, QUERY_MULTIPLE)
 
 
+def longest_context(common: CommonAttentionMetadata, lo: int, hi: int) -> int:
+    """The longest sequence of batch rows [lo, hi): the host's, or under graph replay (static
+    shapes) the descriptor's fixed `max_seq_len`."""
+    return common.max_seq_len if common.static_shapes else int(common.seq_lens_cpu[lo:hi].max())
+
+
 def _blocks(block_table: torch.Tensor, max_len: int, block_size: int) -> tuple[torch.Tensor, int]:
     """The blocks of `max_len` keys padded to KEY_MULTIPLE (within the table), flattened; the key count."""
     nb = min(-(-_round_up(max_len, KEY_MULTIPLE) // block_size), block_table.shape[1])
@@ -116,8 +122,7 @@ class TorchPagedAttention(AttentionBackend):
     def _decode_metadata(self, common: CommonAttentionMetadata) -> Any:
         """The decode rows' work (rows [0, num_decodes)): one SDPA group over their gathered blocks."""
         nd = common.num_decodes
-        max_len = common.max_seq_len if common.static_shapes else int(common.seq_lens_cpu[:nd].max())
-        blocks, num_keys = _blocks(common.block_table[:nd], max_len, common.block_size)
+        blocks, num_keys = _blocks(common.block_table[:nd], longest_context(common, 0, nd), common.block_size)
         j = torch.arange(num_keys, device=blocks.device)
         # A padded request (length 0) attends key 0 of the null block, so its softmax is never empty.
         mask = j < common.seq_lens[:nd, None].clamp(min=1)
@@ -129,8 +134,7 @@ class TorchPagedAttention(AttentionBackend):
         qsl_cpu, bs = common.query_start_loc_cpu, common.block_size
         qlens_cpu = qsl_cpu[lo + 1:hi + 1] - qsl_cpu[lo:hi]
         max_q = _padded_query_len(int(qlens_cpu.max()))
-        max_len = common.max_seq_len if common.static_shapes else int(common.seq_lens_cpu[lo:hi].max())
-        blocks, num_keys = _blocks(common.block_table[lo:hi], max_len, bs)
+        blocks, num_keys = _blocks(common.block_table[lo:hi], longest_context(common, lo, hi), bs)
         seq_lens = common.seq_lens[lo:hi].long()
         starts = common.query_start_loc[lo:hi].long()
         qlens = common.query_start_loc[lo + 1:hi + 1].long() - starts
