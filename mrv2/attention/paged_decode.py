@@ -32,6 +32,7 @@ from mrv2.attention.backend import CommonAttentionMetadata
 from mrv2.attention.registry import register_backend
 from mrv2.attention.torch_paged import TorchPagedAttention, longest_context
 from mrv2.kv_spec import LayerKVCache
+from mrv2.platforms.graphs import replay_guards
 
 logger = logging.getLogger("mrv2")
 
@@ -66,7 +67,7 @@ def compiler_found() -> bool:
 def compiled_paged_decode() -> Callable[..., torch.Tensor]:
     """`paged_decode_attention` through torch.compile (Inductor): one per process, shared by every engine."""
     # Not fullgraph: past dynamo's recompile limit a call then runs eagerly instead of raising.
-    return torch.compile(paged_decode_attention)
+    return torch.compile(paged_decode_attention, options={"guard_filter_fn": replay_guards})
 
 
 @dataclass

@@ -19,6 +19,8 @@ Prompts are random token ids of a fixed length (seeded), generation is greedy wi
   rank, with the same engine options otherwise.
 - `--compare attention`: the same, between the CPU's attention backends: `inductor-paged`
   (decode attention compiled to read KV blocks in place, the default) and `torch` (blocks gathered).
+- `--compare graphs`: the same, between the engine's graph settings (by default on the CPU,
+  compiled pieces for the steps that run int4 weights) and `enforce_eager=True`.
 - `--structured json`: one engine, every request once unconstrained and once constrained to
   a JSON schema long enough to stay open for the whole output (structured output's
   grammar masks on every step), in turn; the ratio is the median of the per-pair ratios.
@@ -52,7 +54,8 @@ SELF_PAIRS = {"async": lambda kwargs: [("async", {"async_scheduling": True}), ("
               "tp": _tp_pair,
               # decode attention reading KV blocks in place (the CPU's default) vs gathering them
               "attention": lambda kwargs: [("inductor-paged", {"attention_backend": "inductor-paged"}),
-                                           ("torch", {"attention_backend": "torch"})]}
+                                           ("torch", {"attention_backend": "torch"})],
+              "graphs": lambda kwargs: [("graphs", {}), ("eager", {"enforce_eager": True})]}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -64,7 +67,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", default=None,
                    help="comma-separated: hf (transformers generate), llama.cpp (llama-cpp-python on the same GGUF); "
                         "or async alone (async scheduling on vs off), tp alone (--tensor-parallel-size vs 1), or "
-                        "attention alone (decode attention in place vs gathered)")
+                        "attention alone (decode attention in place vs gathered), or graphs alone (graph settings vs eager)")
     p.add_argument("--repeat", type=int, default=1, help="timed runs of each engine (the median is reported)")
     p.add_argument("--structured", choices=["json"], default=None,
                    help="time every workload unconstrained and constrained to a JSON schema, side by side")

@@ -251,6 +251,11 @@ class CausalLM(nn.Module):
         self._lm_head_quantized = value
         return True
 
+    def int4_rows(self) -> int:
+        """Steps up to this many tokens run every linear layer through the int4 kernel (0: some never do)."""
+        rows = [m.int4_max_rows if m.int4 is not None else 0 for m in self.modules() if isinstance(m, Linear)]
+        return min(rows, default=0)
+
     def pack_linear_weights(self, rows_hint: int) -> int:
         """Prepack every packable dense linear weight and the LM head for oneDNN (`layers/packed.py`);
         how many were.

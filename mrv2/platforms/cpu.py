@@ -106,11 +106,11 @@ class CpuPlatform(Platform):
     # the exact mode keeps plain weights; Inductor cannot lower the packed ops.
     linear_pack_rows_hint = 64
 
-    def linear_pack_rows(self, dtype: torch.dtype, graph: GraphConfig | None) -> int | None:
+    def linear_pack_rows(self, dtype: torch.dtype, graph: GraphConfig | None, int4_rows: int = 0) -> int | None:
         if dtype != torch.bfloat16 or not self.supports_native_bf16():
             return None
-        if graph is not None and self._compiles(graph):
-            return None
+        if graph is not None and self._compiles(graph) and max(graph.sizes) > int4_rows:
+            return None  # compiled pieces past the int4 kernel's rows need the plain weights
         return self.linear_pack_rows_hint
 
     def half_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
@@ -165,6 +165,12 @@ class CpuPlatform(Platform):
     def _compiles(config: GraphConfig) -> bool:
         return config.mode is GraphMode.PIECEWISE if config.compile is None else config.compile
 
-    def default_graph_config(self) -> GraphConfig:
-        # With no graph to save launch overhead, padded static shapes only cost: run eagerly.
-        return GraphConfig(mode=GraphMode.NONE)
+    # Steps of a few tokens on int4 weights are mostly per-op overhead (about 1,500 small ops a
+    # token): compiled pieces fuse the norms, rotary and SwiGLU around the int4 matmuls. Larger
+    # steps run eagerly on the prepacked oneDNN GEMMs, which Inductor cannot call.
+    def default_graph_config(self, int4_rows: int = 0) -> GraphConfig:
+        if int4_rows < 1:
+            # With no graph to save launch overhead, padded static shapes only cost: run eagerly.
+            return GraphConfig(mode=GraphMode.NONE)
+        sizes = tuple(1 << i for i in range(int4_rows.bit_length()))
+        return GraphConfig(mode=GraphMode.PIECEWISE, capture_sizes=sizes, compile=True)

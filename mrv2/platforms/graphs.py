@@ -78,6 +78,23 @@ class EagerGraphBackend(GraphBackend):
         return _EagerGraph(fn)
 
 
+# Guards on state a loaded model never changes: its modules' hook dicts, attributes absent
+# from instance dicts, the modules and builtins the traced code looked up by name.
+_FIXED_STATE_GUARDS = frozenset({"EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT", "MODULE_MATCH",
+                                 "BUILTIN_MATCH"})
+
+
+def replay_guards(entries: list[Any]) -> list[bool]:
+    """A torch.compile `guard_filter_fn` for code compiled at start-up and called every step.
+
+    Dynamo checks every guard on every call; the pieces of a decoder have hundreds, most of
+    them on the fixed state above. Kept: guards on tensors (parameters included: shapes,
+    strides and dtypes tell captured sizes and engines apart), shape relations, constants
+    (a norm's eps, a branch taken while tracing), types and global state.
+    """
+    return [e.guard_type not in _FIXED_STATE_GUARDS for e in entries]
+
+
 class CompiledGraphBackend(GraphBackend):
     """A torch.compile'd (Inductor) callable per captured shape; replay runs it and copies into the output.
 
@@ -98,7 +115,8 @@ class CompiledGraphBackend(GraphBackend):
         func, args, kwargs = (fn.func, fn.args, fn.keywords) if isinstance(fn, partial) else (fn, (), {})
         compiled = self._compiled.get(func)
         if compiled is None:
-            compiled = self._compiled[func] = torch.compile(func, dynamic=False)
+            compiled = self._compiled[func] = torch.compile(func, dynamic=False,
+                                                            options={"guard_filter_fn": replay_guards})
         # Every capture size is one more specialization of the same code: allow them all.
         limit = self.recompile_limit
         with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit):

@@ -83,9 +83,10 @@ class Platform(ABC):
         """
         return QuantPolicy(), f"{self.name} has no weight-only quantized kernels in mrv2"
 
-    def linear_pack_rows(self, dtype: torch.dtype, graph: GraphConfig | None) -> int | None:
+    def linear_pack_rows(self, dtype: torch.dtype, graph: GraphConfig | None, int4_rows: int = 0) -> int | None:
         """Rows to pack dense linear weights for (`layers/packed.py`) at `dtype` with graph settings
-        `graph` (None: eager), or None to keep plain weights (the base platform: no packed kernels)."""
+        `graph` (None: eager), or None to keep plain weights (the base platform: no packed kernels).
+        `int4_rows`: steps up to this many tokens run the model's linears through the int4 kernel."""
         return None
 
     def half_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
@@ -142,8 +143,12 @@ class Platform(ABC):
         """How this device records and replays forwards for `config` (eager re-runs where it has no graphs)."""
         return EagerGraphBackend()
 
-    def default_graph_config(self) -> GraphConfig:
-        """Graph settings when the user gives none: FULL decode graphs where the device captures graphs."""
+    def default_graph_config(self, int4_rows: int = 0) -> GraphConfig:
+        """Graph settings when the user gives none: FULL decode graphs where the device captures graphs.
+
+        `int4_rows`: steps up to this many tokens run every decoder linear through the int4
+        kernel (0: none do).
+        """
         return GraphConfig(mode=GraphMode.FULL)
 
 

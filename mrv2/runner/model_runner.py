@@ -85,11 +85,13 @@ class ModelRunner:
                                          self.block_size, self.device)
             logger.info("Speculative decoding: %s drafts %d tokens per step on the device", spec.method,
                         spec.num_speculative_tokens)
-        graph_config = config.graph_config(platform.default_graph_config())
+        # Collectives inside compiled pieces are unmeasured: tensor-parallel ranks take no int4 default.
+        int4_rows = self.model.int4_rows() if tp.size == 1 else 0
+        graph_config = config.graph_config(platform.default_graph_config(int4_rows))
         graphs_on = not config.enforce_eager and graph_config.mode is not GraphMode.NONE
         if batch_invariant:
             self.model.make_batch_invariant()
-        elif (rows := platform.linear_pack_rows(dtype, graph_config if graphs_on else None)) is not None:
+        elif (rows := platform.linear_pack_rows(dtype, graph_config if graphs_on else None, int4_rows)) is not None:
             packed = self.model.pack_linear_weights(rows)
             packed += self.drafter.head.pack_linear_weights(rows) if self.drafter else 0
             if packed:

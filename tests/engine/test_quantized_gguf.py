@@ -46,6 +46,28 @@ def test_quantization_modes_place_weights_as_asked(engines):
     assert engines[None].engine.runner.model.lm_head_int4 is None
 
 
+def test_int4_steps_replay_compiled_pieces_and_larger_steps_run_eagerly(engines):
+    from mrv2.config import GraphMode
+
+    runner = engines["auto"].engine.runner
+    graphs = runner.graphs
+    # The default graphs: compiled pieces for steps the int4 kernel runs (up to 4 rows where oneDNN
+    # packs the dense copy, 8 elsewhere), while the dense copy stays packed for larger steps.
+    assert runner.model.int4_rows() in (4, 8) and engines[None].engine.runner.graphs is None
+    assert [d.num_tokens for d in graphs.descriptors] == [n for n in (8, 4, 2, 1) if n <= runner.model.int4_rows()]
+    assert all(d.mode is GraphMode.PIECEWISE for d in graphs.descriptors)
+    if runner.platform.supports_native_bf16():
+        assert all(m.packed is not None for m in _linears(engines["auto"]))
+    before = dict(graphs.replays)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engines["auto"].generate(["The capital of France is"], params)
+    assert graphs.replays[GraphMode.PIECEWISE] - before.get(GraphMode.PIECEWISE, 0) >= 7  # every decode step
+    before = dict(graphs.replays)
+    engines["auto"].generate(["The capital of France is"] * 12, params)  # 12-row decode steps: eager, packed
+    assert graphs.replays == before
+    assert engines["auto"].engine.scheduler.block_pool.is_whole()
+
+
 def test_quantized_scores_are_as_close_to_fp32_as_bf16_is(engines):
     ids = engines[None].get_tokenizer()(TEXT)["input_ids"]
     exact = LLM(dtype="float32", max_model_len=256, max_num_seqs=16, kv_cache_memory=16 << 20)

@@ -197,7 +197,8 @@ def test_bench_latency_reports_ttft_and_tpot(tmp_path: Path):
     assert len(result["runs"]) == 2 and result["ttft_s"] > 0 and result["tpot_s"] > 0
 
 
-@pytest.mark.parametrize("pair, first, second", [("tp", "tp2", "tp1"), ("attention", "inductor-paged", "torch")])
+@pytest.mark.parametrize("pair, first, second", [("tp", "tp2", "tp1"), ("attention", "inductor-paged", "torch"),
+                                                    ("graphs", "graphs", "eager")])
 def test_bench_throughput_compares_mrv2_with_one_option_changed(tmp_path: Path, tiny_checkpoint, pair, first, second):
     out = tmp_path / "bench.json"
     model, _ = tiny_checkpoint("llama", tied=False)
@@ -205,7 +206,7 @@ def test_bench_throughput_compares_mrv2_with_one_option_changed(tmp_path: Path, 
             "6", "--compare", pair, "--json", str(out), "--max-model-len", "256", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())["results"]["2"]
-    # fp32: two ranks give one rank's tokens; attention in place gives the gathered one's
+    # fp32: two ranks give one rank's tokens; attention in place gives the gathered one's; graphs eager's
     assert res["identical_completions"] == 2
     assert res[f"ratio_{first}_over_{second}"] == pytest.approx(res["pair_ratios"][0])
     assert f"ratio {first}/{second}" in r.stdout

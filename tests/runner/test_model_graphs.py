@@ -27,10 +27,14 @@ def test_eager_builds_no_graphs(eager):
     assert eager.engine.runner.graphs is None
 
 
-def test_cpu_default_is_eager():
+def test_cpu_default_is_eager_unless_small_steps_run_int4():
     from mrv2.platforms import get_platform
 
-    assert get_platform("cpu").default_graph_config().mode is GraphMode.NONE
+    cpu = get_platform("cpu")
+    assert cpu.default_graph_config().mode is GraphMode.NONE
+    for rows, sizes in ((4, (1, 2, 4)), (8, (1, 2, 4, 8)), (5, (1, 2, 4)), (1, (1,))):
+        config = cpu.default_graph_config(int4_rows=rows)
+        assert (config.mode, config.capture_sizes, config.compile) == (GraphMode.PIECEWISE, sizes, True)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 4, 5, 8, 12])  # hits (1, 4, 8), padded (3, 5), above the largest (12)
