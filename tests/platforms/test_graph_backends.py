@@ -85,6 +85,39 @@ def test_compiled_pieces_share_one_graph_per_shape_across_modules():
         torch.testing.assert_close(g.output, w)
 
 
+class _Shift(torch.nn.Module):
+    def __init__(self, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.full((4,), 2.0, dtype=dtype), requires_grad=False)
+
+
+def _scale_shift(module, x):
+    return x * module.weight + module.eps
+
+
+def test_compiled_pieces_of_other_constants_or_dtypes_never_share_code():
+    """`replay_guards` drops guards on fixed module state, not those that tell modules apart."""
+    torch._dynamo.reset()
+    backend = CompiledGraphBackend()
+    with torch.inference_mode():
+        for eps, dtype in ((0.5, torch.float32), (0.25, torch.float32), (0.5, torch.bfloat16)):
+            module, x = _Shift(eps, dtype), torch.ones(4, dtype=dtype)
+            graph = backend.capture(partial(_scale_shift, module, x), None)
+            graph.replay()
+            assert graph.output.dtype == dtype and torch.equal(graph.output, torch.full((4,), 2 + eps, dtype=dtype))
+
+
+def test_replay_guards_drop_only_guards_on_fixed_module_state():
+    from types import SimpleNamespace
+
+    from mrv2.platforms.graphs import replay_guards
+
+    kinds = ["TENSOR_MATCH", "SHAPE_ENV", "CONSTANT_MATCH", "EQUALS_MATCH", "TYPE_MATCH", "GLOBAL_STATE",
+             "EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT", "MODULE_MATCH", "BUILTIN_MATCH"]
+    assert replay_guards([SimpleNamespace(guard_type=k) for k in kinds]) == [True] * 6 + [False] * 4
+
+
 def test_platform_graph_backends():
     full, piecewise = GraphConfig(mode=GraphMode.FULL), GraphConfig(mode=GraphMode.PIECEWISE)
     assert isinstance(CpuPlatform().graph_backend(full), EagerGraphBackend)
