@@ -66,8 +66,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--compare", default=None,
                    help="comma-separated: hf (transformers generate), llama.cpp (llama-cpp-python on the same GGUF); "
-                        "or async alone (async scheduling on vs off), tp alone (--tensor-parallel-size vs 1), or "
-                        "attention alone (decode attention in place vs gathered), or graphs alone (graph settings vs eager)")
+                        "or async alone (async scheduling on vs off), tp alone (--tensor-parallel-size vs 1), "
+                        "attention alone (decode attention in place vs gathered), or graphs alone (graph settings "
+                        "vs eager)")
     p.add_argument("--repeat", type=int, default=1, help="timed runs of each engine (the median is reported)")
     p.add_argument("--structured", choices=["json"], default=None,
                    help="time every workload unconstrained and constrained to a JSON schema, side by side")

@@ -86,7 +86,7 @@ class Platform(ABC):
     def linear_pack_rows(self, dtype: torch.dtype, graph: GraphConfig | None, int4_rows: int = 0) -> int | None:
         """Rows to pack dense linear weights for (`layers/packed.py`) at `dtype` with graph settings
         `graph` (None: eager), or None to keep plain weights (the base platform: no packed kernels).
-        `int4_rows`: steps up to this many tokens run the model's linears through the int4 kernel."""
+        `int4_rows`: steps up to this many tokens run every linear layer through the int4 kernel."""
         return None
 
     def half_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
@@ -146,8 +146,8 @@ class Platform(ABC):
     def default_graph_config(self, int4_rows: int = 0) -> GraphConfig:
         """Graph settings when the user gives none: FULL decode graphs where the device captures graphs.
 
-        `int4_rows`: steps up to this many tokens run every decoder linear through the int4
-        kernel (0: none do).
+        `int4_rows`: steps up to this many tokens run every linear layer through the int4
+        kernel (0: some never do; `CausalLM.int4_rows`).
         """
         return GraphConfig(mode=GraphMode.FULL)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mrv2 import LLM, SamplingParams
+from mrv2.config import GraphMode
 from mrv2.layers.linear import Linear
 from mrv2.loader.gguf_quant import iter_quantized_weights
 from mrv2.loader.safetensors_weights import iter_safetensors_weights
@@ -47,8 +48,6 @@ def test_quantization_modes_place_weights_as_asked(engines):
 
 
 def test_int4_steps_replay_compiled_pieces_and_larger_steps_run_eagerly(engines):
-    from mrv2.config import GraphMode
-
     runner = engines["auto"].engine.runner
     graphs = runner.graphs
     # The default graphs: compiled pieces for steps the int4 kernel runs (up to 4 rows where oneDNN
