@@ -10,6 +10,9 @@ the same contract on devices without graphs.
 from __future__ import annotations
 
 import importlib
+import inspect
+import logging
+import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -17,6 +20,7 @@ from typing import Any
 
 import torch
 
+logger = logging.getLogger("mrv2")
 
 class CapturedGraph(ABC):
     """One recorded forward; `output` holds its result after every `replay()`."""
@@ -53,10 +57,10 @@ def _leaves(obj: Any) -> Iterator[torch.Tensor]:
 
 
 class _EagerGraph(CapturedGraph):
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._fn = fn
+    def __init__(self, fn: Callable[[], Any], replay_fn: Callable[[], Any] | None = None) -> None:
         self.output = fn()
         self._leaves = list(_leaves(self.output))  # rejects unsupported outputs at capture
+        self._fn = replay_fn or fn
 
     def replay(self) -> None:
         for dst, src in zip(self._leaves, _leaves(self._fn()), strict=True):
@@ -95,6 +99,31 @@ def replay_guards(entries: list[Any]) -> list[bool]:
     return [e.guard_type not in _FIXED_STATE_GUARDS for e in entries]
 
 
+def dynamo_entry(func: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[..., Any] | None:
+    """The code torch.compile made for `func(*args, **kwargs)`, as a plain function; None if there is none.
+
+    Each of dynamo's cache entries for `func` is `func` rewritten to call one compiled graph,
+    with guards saying which arguments it serves. The entry is found by checking the guards
+    against these arguments once; calling it skips dynamo's frame hook and guard checks
+    (hundreds a call, with the graph's own Python wrappers the larger part of a small piece's
+    cost). Only for calls whose arguments pass the same guards: the same modules and tensors
+    of the same shapes, strides and dtypes, as in a captured piece.
+    """
+    code = getattr(func, "__code__", None)
+    if code is None or code.co_freevars:  # a closure's cells cannot be rebuilt from its code
+        return None
+    try:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+        bound.apply_defaults()
+        frame_locals = dict(bound.arguments)
+        for entry in torch._dynamo.eval_frame._debug_get_cache_entry_list(code):
+            if entry.guard_manager.check(frame_locals):
+                return types.FunctionType(entry.code, func.__globals__, func.__name__, func.__defaults__)
+    except (AttributeError, TypeError) as e:  # a torch whose dynamo lacks these internals: dispatch through it
+        logger.debug("no direct entry for %s: %s", func.__name__, e)
+    return None
+
+
 class CompiledGraphBackend(GraphBackend):
     """A torch.compile'd (Inductor) callable per captured shape; replay runs it and copies into the output.
 
@@ -102,6 +131,8 @@ class CompiledGraphBackend(GraphBackend):
     `mrv2 bench compile`). A `functools.partial` is compiled through its function, so
     pieces running one function over different modules (every layer's segment) share
     a compiled graph per input shape: compiles grow with capture sizes, not with layers.
+    A replay calls the code dynamo made for its capture directly (`dynamo_entry`): a
+    captured piece runs over the same modules and tensors every time.
     """
 
     def __init__(self, recompile_limit: int = 256) -> None:
@@ -117,10 +148,13 @@ class CompiledGraphBackend(GraphBackend):
         if compiled is None:
             compiled = self._compiled[func] = torch.compile(func, dynamic=False,
                                                             options={"guard_filter_fn": replay_guards})
+        call = partial(compiled, *args, **kwargs)
         # Every capture size is one more specialization of the same code: allow them all.
         limit = self.recompile_limit
         with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit):
-            return _EagerGraph(partial(compiled, *args, **kwargs))
+            output = call()
+        entry = dynamo_entry(func, args, kwargs)
+        return _EagerGraph(lambda: output, call if entry is None else partial(entry, *args, **kwargs))
 
 
 class _DeviceGraph(CapturedGraph):

@@ -87,6 +87,25 @@ def test_two_compiled_variants_serve_every_batch_and_context_after_warm_up():
             _attend(paged, other, _decode_metadata(lens))
 
 
+def test_a_step_finds_its_compiled_variant_once_and_calls_it_directly_for_every_layer():
+    torch._dynamo.reset()  # variants of earlier tests' engines may have reached the recompile limit
+    layers = [_cache(torch.bfloat16, seed=s) for s in range(3)]
+    paged = _warm(layers[0])
+    q = torch.randn(2, H, D).bfloat16()
+    with torch.inference_mode():
+        meta = paged.build_metadata(_decode_metadata([40, 90])).decode
+        got = [paged._decode(q, layers[0], meta, 0.125)]
+        entry = meta.entry
+        got += [paged._decode(q, layer, meta, 0.125) for layer in layers[1:]]
+        # dynamo's own code for this variant (its output code, not the torch.compile wrapper)
+        assert entry is not paged._decode_fn and entry.__code__ is not paged_decode_attention.__code__
+        want = [paged._decode_fn(q, layer["k"], layer["v"], meta.block_table, meta.seq_lens, 0.125)
+                for layer in layers]
+    assert meta.entry is entry  # found once, at the first layer
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
 def test_the_eager_function_is_the_same_computation():
     cache = _cache(torch.float32)
     common = _decode_metadata([33, 7, 90])

@@ -146,3 +146,25 @@ def test_cuda_graph_replays_over_fixed_inputs():
     torch.cuda.synchronize()
     assert graph.output.data_ptr() == ptr
     torch.testing.assert_close(graph.output, torch.relu(x @ w))
+
+
+def test_compiled_replays_call_the_captured_code_without_dynamo():
+    """A replay runs the code compiled for its capture directly: with dynamo's caches cleared
+    afterwards, replays compile nothing and still compute the function."""
+    from torch._dynamo.utils import counters
+
+    from mrv2.platforms.graphs import dynamo_entry
+
+    torch._dynamo.reset()
+    backend = CompiledGraphBackend()
+    lin, x = torch.nn.Linear(16, 16), torch.randn(4, 16)
+    with torch.inference_mode():
+        graph = backend.capture(partial(_linear_relu, lin, x), None)
+        assert dynamo_entry(_linear_relu, (lin, x), {}) is not None
+        assert dynamo_entry(_linear_relu, (lin, torch.randn(5, 16)), {}) is None  # other shapes: no entry
+        torch._dynamo.reset()
+        compiles = counters["stats"]["unique_graphs"]
+        x.copy_(torch.randn(4, 16))
+        graph.replay()
+        assert counters["stats"]["unique_graphs"] == compiles
+        torch.testing.assert_close(graph.output, torch.relu(lin(x)))
