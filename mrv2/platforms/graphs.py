@@ -119,7 +119,7 @@ def dynamo_entry(func: Callable[..., Any], args: tuple, kwargs: dict) -> Callabl
         for entry in torch._dynamo.eval_frame._debug_get_cache_entry_list(code):
             if entry.guard_manager.check(frame_locals):
                 return types.FunctionType(entry.code, func.__globals__, func.__name__, func.__defaults__)
-    except (AttributeError, TypeError) as e:  # a torch whose dynamo lacks these internals: dispatch through it
+    except (AttributeError, TypeError, ValueError) as e:  # a dynamo without these internals: dispatch through it
         logger.debug("no direct entry for %s: %s", func.__name__, e)
     return None
 
