@@ -115,8 +115,8 @@ class InductorPagedAttention(TorchPagedAttention):
         # Row-major strides even for one row (whose stride `contiguous()` leaves as it is): the
         # compiled variants guard on strides.
         query = query[:g.num_rows].clone(memory_format=torch.contiguous_format)
-        args = (query, cache["k"], cache["v"], g.block_table, g.seq_lens, scale)
         k, v = cache["k"], cache["v"]
+        args = (query, k, v, g.block_table, g.seq_lens, scale)
         key = (query.shape, query.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), scale)
         if g.entry_key != key:
             g.entry = dynamo_entry(paged_decode_attention, args, {}) or self._decode_fn

@@ -22,6 +22,7 @@ import torch
 
 logger = logging.getLogger("mrv2")
 
+
 class CapturedGraph(ABC):
     """One recorded forward; `output` holds its result after every `replay()`."""
 
@@ -57,6 +58,8 @@ def _leaves(obj: Any) -> Iterator[torch.Tensor]:
 
 
 class _EagerGraph(CapturedGraph):
+    """`fn()` once at capture; each replay calls `replay_fn` (default `fn`), which returns the same structure."""
+
     def __init__(self, fn: Callable[[], Any], replay_fn: Callable[[], Any] | None = None) -> None:
         self.output = fn()
         self._leaves = list(_leaves(self.output))  # rejects unsupported outputs at capture
