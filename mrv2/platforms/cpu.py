@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 import os
 import platform
 from functools import lru_cache
@@ -123,18 +122,6 @@ class CpuPlatform(Platform):
             return _meminfo("MemAvailable")
         except (OSError, KeyError):
             return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-    def zeroed_bytes(self, nbytes: int) -> torch.Tensor:
-        """Anonymous memory, which the kernel zero-fills page by page as it is first touched.
-
-        Writing zeros over the whole cache took 3.9 of the default model's 16 s start-up (mostly
-        page faults). Huge pages, where the kernel allows them, also cut TLB misses when
-        attention reads blocks. The buffer lives as long as a tensor viewing it.
-        """
-        buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
 
     def configure_threads(self, host_only: bool = False) -> None:
         # One intra-op thread per core; torch's default may count SMT siblings. With async

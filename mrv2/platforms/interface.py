@@ -111,10 +111,6 @@ class Platform(ABC):
         """Whether host staging buffers should be pinned for async copies."""
         return False
 
-    def zeroed_bytes(self, nbytes: int) -> torch.Tensor:
-        """A zero-filled uint8 buffer of `nbytes` on the device (the KV cache's one allocation)."""
-        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-
     def configure_threads(self, host_only: bool = False) -> None:
         """Set host threading for this device type; `host_only`: this thread launches no device work
         (async scheduling, where the device queue has a thread of its own)."""

@@ -16,7 +16,6 @@ default, 2 MiB when a KV transfer is configured).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +28,9 @@ from mrv2.kv_spec import KVCacheSpec, KVPartRegion, KVRegions, LayerKVCache
 class KVCache:
     """All layers' caches and the raw allocation they are views of.
 
-    The allocation starts zeroed: backends that read whole blocks multiply masked-out
-    slots by zero, and an uninitialised NaN would survive that. Nothing is zeroed per
-    step. On the CPU the zeros are the kernel's (anonymous memory, committed page by
-    page as blocks are first written), elsewhere an explicit fill.
+    The allocation is zeroed once, when it is made (this commits the memory, as vLLM's
+    does): backends that read whole blocks multiply masked-out slots by zero, and an
+    uninitialised NaN would survive that. Nothing is zeroed per step.
     """
 
     layers: list[LayerKVCache]
@@ -84,17 +82,14 @@ def num_blocks_for_budget(specs: list[KVCacheSpec], layout: KVLayout, block_size
 
 
 def allocate_kv_cache(specs: list[KVCacheSpec], layout: KVLayout, num_blocks: int, block_size: int,
-                      alignment: int, device: torch.device,
-                      zeroed_bytes: Callable[[int], torch.Tensor] | None = None) -> KVCache:
-    """Allocate one zeroed raw buffer (`zeroed_bytes(n)`, the platform's; torch.zeros on `device`
-    by default) and cut every layer's (aligned) views from it."""
+                      alignment: int, device: torch.device) -> KVCache:
+    """Allocate one zeroed raw buffer and cut every layer's (aligned) views from it."""
     if num_blocks < 2:
         raise ValueError(f"the KV cache needs at least 2 blocks (one is reserved), got {num_blocks}")
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a positive power of two, got {alignment}")
-    nbytes = kv_cache_bytes(specs, layout, num_blocks, block_size, alignment)
-    raw = (zeroed_bytes(nbytes) if zeroed_bytes is not None
-           else torch.zeros(nbytes, dtype=torch.uint8, device=device))
+    raw = torch.zeros(kv_cache_bytes(specs, layout, num_blocks, block_size, alignment),
+                      dtype=torch.uint8, device=device)
     offset = -raw.data_ptr() % alignment
     layers = []
     for spec in specs:

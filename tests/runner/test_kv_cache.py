@@ -120,23 +120,3 @@ def test_every_blocks_bytes_are_reachable_from_the_regions(layout):
     # A block's spans of one layer and part never overlap another block's.
     first, second = set(regions.block_bytes(0)), set(regions.block_bytes(1))
     assert not {a for a, _ in first} & {a for a, _ in second}
-
-
-@pytest.mark.parametrize("layout", ["joint", "split"])
-def test_the_cpu_platforms_zero_pages_back_a_zeroed_cache(layout):
-    """The CPU's KV buffer is anonymous memory (zeroed by the kernel, not written at start-up); it
-    lives as long as the views, takes writes, and every view reads zeros until written."""
-    import gc
-
-    from mrv2.platforms import CpuPlatform
-
-    cache = allocate_kv_cache([GQA, MLA_LIKE], layout, num_blocks=64, block_size=16, alignment=4096,
-                              device=torch.device("cpu"), zeroed_bytes=CpuPlatform().zeroed_bytes)
-    assert cache.raw.dtype == torch.uint8 and cache.raw.numel() == kv_cache_bytes(
-        [GQA, MLA_LIKE], layout, 64, 16, 4096)
-    gc.collect()  # only the tensors hold the mapping now
-    for layer in cache.layers:
-        for view in layer.parts.values():
-            assert not view.any()
-    cache.layers[1]["rope"][5, 2] = 3.0
-    assert cache.layers[1]["rope"][5, 2].eq(3.0).all() and cache.raw.count_nonzero() > 0
