@@ -9,6 +9,7 @@ the same contract on devices without graphs.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -102,6 +103,10 @@ def replay_guards(entries: list[Any]) -> list[bool]:
     return [e.guard_type not in _FIXED_STATE_GUARDS for e in entries]
 
 
+# The decode attention looks its entry up every step; a function's signature never changes.
+_signature = functools.cache(inspect.signature)
+
+
 def dynamo_entry(func: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[..., Any] | None:
     """The code torch.compile made for `func(*args, **kwargs)`, as a plain function; None if there is none.
 
@@ -116,7 +121,7 @@ def dynamo_entry(func: Callable[..., Any], args: tuple, kwargs: dict) -> Callabl
     if code is None or code.co_freevars:  # a closure's cells cannot be rebuilt from its code
         return None
     try:
-        bound = inspect.signature(func).bind(*args, **kwargs)
+        bound = _signature(func).bind(*args, **kwargs)
         bound.apply_defaults()
         frame_locals = dict(bound.arguments)
         for entry in torch._dynamo.eval_frame._debug_get_cache_entry_list(code):
