@@ -141,7 +141,7 @@ class InductorPagedAttention(TorchPagedAttention):
         k = cache["k"]
         # Inductor splits a loop across threads only where the example sizes (its hints for the
         # dynamic ones) give each thread enough work: compiled at 2 rows, the softmax passes ran on
-        # one thread at every batch size. At 64 rows and 8 blocks a call of 64 rows took 1.2-1.45x
+        # one thread at every batch size. At 64 rows and 8 blocks a call of 64 rows took 1.18-1.45x
         # less time (16 rows: 1.34x), and a batch of one is its own variant.
         for rows, blocks in ((1, 2), (64, 8)):
             query = torch.zeros(rows, num_heads, k.shape[-1], dtype=k.dtype, device=k.device)
