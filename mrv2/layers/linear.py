@@ -21,7 +21,7 @@ from torch import nn
 from mrv2.config import QuantPolicy
 from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.layers.batch_invariant import tiled_linear
-from mrv2.layers.packed import pack_weight, packed_linear
+from mrv2.layers.packed import PACKED_DTYPES, pack_weight, packed_linear
 from mrv2.layers.quantization import Int4Matmul, QuantizedWeight, int4_kernel_supports
 
 
@@ -89,8 +89,8 @@ class Linear(nn.Module):
         return read
 
     def pack(self, rows_hint: int) -> bool:
-        """Replace the dense bf16 weight by its oneDNN-packed form; False where there is none to pack."""
-        if not self.packable or self.weight is None or self.weight.dtype != torch.bfloat16:
+        """Replace the dense bf16 or fp32 weight by its oneDNN-packed form; False where there is none to pack."""
+        if not self.packable or self.weight is None or self.weight.dtype not in PACKED_DTYPES:
             return False
         self.packed = pack_weight(self.weight, rows_hint)
         self.weight = None

@@ -1,10 +1,11 @@
-"""Dense bf16 weights prepacked once into oneDNN's blocked layout (torch's own mkldnn ops).
+"""Dense weights prepacked once into oneDNN's blocked layout (torch's own mkldnn ops).
 
 oneDNN's AMX / AVX-512-BF16 kernels read weights in a blocked layout, while `F.linear`
 hands them a plain row-major one on every call. Packed once at load, the default
-model's shapes ran 1.3-1.9x faster at 1 to 64 rows and the same at 2048 on a 2 vCPU
-Sapphire Rapids, bit-identical to `F.linear` (see `Platform.linear_pack_rows`).
-Inductor cannot lower these ops, so compiled graphs keep plain weights.
+model's bf16 shapes ran 1.3-1.9x faster at 1 to 64 rows and the same at 2048 on a 2 vCPU
+Sapphire Rapids, bit-identical to `F.linear`. fp32 packs where oneDNN beats MKL (AMD
+CPUs), not bit-identical there (see `Platform.linear_pack_rows`). Inductor cannot lower
+these ops, so compiled graphs keep plain weights.
 
 oneDNN builds (JIT-compiles) a primitive per input shape and caches up to 1024 of them,
 so a server whose steps have every row count from 1 to 2048 grew by hundreds of MB
@@ -18,6 +19,9 @@ from __future__ import annotations
 import torch
 
 from mrv2.layers.batch_invariant import pad_rows
+
+
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def packing_available() -> bool:

@@ -29,7 +29,7 @@ from mrv2.layers.batch_invariant import ROW_TILE, tiled_linear
 from mrv2.layers.embedding import VocabEmbedding
 from mrv2.layers.linear import Linear, TPSlice, pack_linears
 from mrv2.layers.norm import RMSNorm
-from mrv2.layers.packed import pack_weight, packed_linear, packing_available
+from mrv2.layers.packed import PACKED_DTYPES, pack_weight, packed_linear, packing_available
 from mrv2.layers.quantization import Int4Matmul, QuantizedWeight, int4_kernel_supports
 from mrv2.models.weights import load_hf_weights
 
@@ -266,7 +266,7 @@ class CausalLM(nn.Module):
         if not packing_available():
             return 0
         packed = pack_linears(self, rows_hint)
-        if self.lm_head_weight is not None and self.lm_head_weight.dtype == torch.bfloat16:
+        if self.lm_head_weight is not None and self.lm_head_weight.dtype in PACKED_DTYPES:
             self.lm_head_packed = pack_weight(self.lm_head_weight, rows_hint)
             if not self.config.tie_word_embeddings:
                 self.lm_head_weight = None

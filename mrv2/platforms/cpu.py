@@ -16,15 +16,19 @@ from mrv2.platforms.interface import Platform
 
 
 @lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
     except OSError:
         pass
-    return frozenset()
+    return info
 
 
 def _meminfo(key: str) -> int:
@@ -66,9 +70,10 @@ class CpuPlatform(Platform):
     # 1,16,64 --input-len 32 --output-len 64` (each engine in its own process, bf16, 2 cores)
     # measured async/serial medians of 1.020x, 1.030x and 1.085x over 9 pairs (Sapphire Rapids).
 
-    def __init__(self, flags: frozenset[str] | None = None) -> None:
-        # The CPU's feature flags (/proc/cpuinfo); tests pass others to exercise each branch.
-        self.flags = _cpu_flags() if flags is None else frozenset(flags)
+    def __init__(self, flags: frozenset[str] | None = None, vendor: str | None = None) -> None:
+        # The CPU's feature flags and vendor (/proc/cpuinfo); tests pass others to exercise each branch.
+        self.flags = frozenset(_cpuinfo().get("flags", "").split() if flags is None else flags)
+        self.vendor = _cpuinfo().get("vendor_id", "") if vendor is None else vendor
 
     def supports_native_bf16(self) -> bool:
         return "avx512_bf16" in self.flags or "amx_bf16" in self.flags
@@ -102,16 +107,25 @@ class CpuPlatform(Platform):
 
     # Dense bf16 GEMMs on weights prepacked for oneDNN against `F.linear` (2 cores, Sapphire
     # Rapids, the default model's four layer shapes summed): 672 vs 893 us at 64 rows, 1.3-1.9x
-    # at 1-16 rows, even at 2048, packed for 64 rows. fp32 is not bit-identical packed, so
-    # the exact mode keeps plain weights; Inductor cannot lower the packed ops.
+    # at 1-16 rows, even at 2048, packed for 64 rows. Inductor cannot lower the packed ops.
     linear_pack_rows_hint = 64
 
     def linear_pack_rows(self, dtype: torch.dtype, graph: GraphConfig | None, int4_rows: int = 0) -> int | None:
-        if dtype != torch.bfloat16 or not self.supports_native_bf16():
+        if not (dtype == torch.bfloat16 and self.supports_native_bf16()
+                or dtype == torch.float32 and self.packs_fp32()):
             return None
         if graph is not None and self._compiles(graph) and max(graph.sizes) > int4_rows:
             return None  # compiled pieces past the int4 kernel's rows need the plain weights
         return self.linear_pack_rows_hint
+
+    # torch's fp32 `F.linear` calls MKL, whose GEMMs run a slower code path on AMD CPUs: the
+    # default model's 30 layers of linears (2 cores, Zen 4) took 48 / 88 / 73 / 100 / 200 ms
+    # plain against 31 / 34 / 22 / 37 / 114 ms packed for oneDNN at 1 / 2 / 4 / 16 / 64 rows.
+    # Packed fp32 is not bit-identical to `F.linear` (about 1e-6 relative); the exact mode's
+    # promise is transformers' greedy tokens and close logits, which its tests check. Intel
+    # CPUs keep MKL: unmeasured there.
+    def packs_fp32(self) -> bool:
+        return self.vendor == "AuthenticAMD"
 
     def half_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         # bf16 whatever the checkpoint: CPUs with native bf16 have no fast fp16 GEMMs.

@@ -1,4 +1,4 @@
-"""Dense bf16 weights prepacked for oneDNN give F.linear's results, and the model packs only what it may."""
+"""Dense weights prepacked for oneDNN give F.linear's results, and the model packs only what it may."""
 
 from __future__ import annotations
 
@@ -13,31 +13,35 @@ from mrv2.layers.packed import packing_available
 from mrv2.platforms import CpuPlatform
 from test_quantization import quantized
 
-pytestmark = pytest.mark.skipif(not (packing_available() and CpuPlatform().supports_native_bf16()),
-                                reason="packed bf16 kernels need oneDNN and a CPU with native bf16")
+pytestmark = pytest.mark.skipif(not packing_available(), reason="packing needs torch's oneDNN ops")
+needs_bf16 = pytest.mark.skipif(not CpuPlatform().supports_native_bf16(),
+                                reason="packed bf16 kernels need a CPU with native bf16")
+DTYPES = [pytest.param(torch.bfloat16, 1e-2, marks=needs_bf16), (torch.float32, 1e-5)]
 
 
+@pytest.mark.parametrize("dtype, tol", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
-def test_packed_linear_equals_f_linear(rows, bias):
+def test_packed_linear_equals_f_linear(rows, bias, dtype, tol):
     torch.manual_seed(0)
-    layer = Linear(96, [80, 48], bias, torch.bfloat16)
+    layer = Linear(96, [80, 48], bias, dtype)
     layer.weight.data.normal_()
     if bias:
         layer.bias.data.normal_()
     weight, b = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()
-    x = torch.randn(2 * rows, 96, dtype=torch.bfloat16)[::2]  # strided rows, as slices of a batch are
+    x = torch.randn(2 * rows, 96, dtype=dtype)[::2]  # strided rows, as slices of a batch are
     assert layer.pack(64) and layer.weight is None and layer.packed is not None
-    torch.testing.assert_close(layer(x).float(), F.linear(x, weight, b).float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(layer(x).float(), F.linear(x, weight, b).float(), atol=tol, rtol=tol)
 
 
-def test_fp32_and_unpackable_weights_stay_plain():
-    fp32 = Linear(32, [16], False, torch.float32)
-    assert not fp32.pack(64) and fp32.weight is not None
-    kept = Linear(32, [16], False, torch.bfloat16, packable=False)
+def test_fp16_and_unpackable_weights_stay_plain():
+    fp16 = Linear(32, [16], False, torch.float16)
+    assert not fp16.pack(64) and fp16.weight is not None
+    kept = Linear(32, [16], False, torch.float32, packable=False)  # MLA's absorbed kv_b_proj
     assert not kept.pack(64) and kept.weight is not None
 
 
+@needs_bf16
 def test_int4_below_the_threshold_and_the_packed_dense_copy_above():
     weight, _ = quantized("Q4_0", 64, 128)
     layer = Linear(128, [64], False, torch.bfloat16)
@@ -50,6 +54,7 @@ def test_int4_below_the_threshold_and_the_packed_dense_copy_above():
     torch.testing.assert_close(layer(x).float(), F.linear(x, dense).float(), atol=2e-2, rtol=2e-2)
 
 
+@needs_bf16
 @pytest.mark.parametrize("arch,tied", [("llama", True), ("llama", False), ("deepseek_v3", False)])
 def test_bf16_engine_packs_its_linears_and_lm_head_and_matches_plain_weights(tiny_checkpoint, arch, tied):
     path, _ = tiny_checkpoint(arch, tied)
@@ -81,3 +86,20 @@ def test_bf16_engine_packs_its_linears_and_lm_head_and_matches_plain_weights(tin
     assert out_packed == out_plain
     for llm in (packed, plain):
         llm.engine.shutdown()
+
+
+def test_fp32_engine_packs_where_the_platform_says_and_keeps_transformers_tokens(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    path, _ = tiny_checkpoint("llama", True)
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory=1 << 22)
+    model = llm.engine.runner.model
+    packs = llm.engine.platform.packs_fp32()
+    assert all((m.packed is not None) == packs for m in model.modules() if isinstance(m, Linear))
+    assert (model.lm_head_packed is not None) == packs
+    prompt = [3, 17, 99, 4, 250]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    assert list(out[0].outputs[0].token_ids) == ref
+    llm.engine.shutdown()
