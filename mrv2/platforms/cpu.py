@@ -114,7 +114,7 @@ class CpuPlatform(Platform):
         if not (dtype == torch.bfloat16 and self.supports_native_bf16()
                 or dtype == torch.float32 and self.packs_fp32()):
             return None
-        if graph is not None and self._compiles(graph) and max(graph.sizes) > int4_rows:
+        if graph is not None and any(map(self._compiles, graph.single_modes())) and max(graph.sizes) > int4_rows:
             return None  # compiled pieces past the int4 kernel's rows need the plain weights
         return self.linear_pack_rows_hint
 

@@ -69,9 +69,11 @@ INTEL, AMD = "GenuineIntel", "AuthenticAMD"
     ({"avx2", "fma"}, AMD, torch.float32, None, 0, True),  # Zen 3 too
     ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.float32, GraphConfig(mode=GraphMode.PIECEWISE), 0, False),
     ({"avx2", "fma"}, AMD, torch.bfloat16, None, 0, False),  # Zen 3: no native bf16 kernels to pack for
-    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.bfloat16, GraphConfig(mode=GraphMode.PIECEWISE), 0, False),  # compiled
+    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.bfloat16, GraphConfig(mode=GraphMode.PIECEWISE), 0,
+     False),  # compiled
     ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.bfloat16,
      GraphConfig(mode=GraphMode.PIECEWISE, compile=False), 0, True),  # piecewise, uncompiled
+    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.bfloat16, GraphConfig(mode=GraphMode.FULL_AND_PIECEWISE), 0, False),
     # Compiled pieces no larger than the int4 kernel's rows never call a packed GEMM.
     ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.bfloat16, SMALL_PIECES, 4, True),
     ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.bfloat16, SMALL_PIECES, 2, False),
