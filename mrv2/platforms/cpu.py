@@ -122,9 +122,10 @@ class CpuPlatform(Platform):
     # default model's 30 layers of linears (2 cores, Zen 4) took 48 / 88 / 73 / 100 / 200 ms
     # plain against 31 / 34 / 22 / 37 / 114 ms packed for oneDNN at 1 / 2 / 4 / 16 / 64 rows.
     # Packed fp32 is not bit-identical to `F.linear` (about 1e-6 relative); the exact mode's
-    # promise is transformers' greedy tokens and close logits, which its tests check. Intel
-    # CPUs keep MKL: unmeasured there.
+    # promise is transformers' greedy tokens and close logits, which its tests check. Zen 3
+    # (AVX2) is taken by the same cause, unmeasured; Intel CPUs keep MKL, unmeasured there.
     def packs_fp32(self) -> bool:
+        """Whether fp32 dense weights are prepacked for oneDNN (AMD CPUs, where MKL's fp32 GEMMs are slow)."""
         return self.vendor == "AuthenticAMD"
 
     def half_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
