@@ -114,7 +114,7 @@ class CpuPlatform(Platform):
         if not (dtype == torch.bfloat16 and self.supports_native_bf16()
                 or dtype == torch.float32 and self.packs_fp32()):
             return None
-        if graph is not None and any(map(self._compiles, graph.single_modes())) and max(graph.sizes) > int4_rows:
+        if graph is not None and self._compiles(graph) and max(graph.sizes) > int4_rows:
             return None  # compiled pieces past the int4 kernel's rows need the plain weights
         return self.linear_pack_rows_hint
 
@@ -178,7 +178,9 @@ class CpuPlatform(Platform):
 
     @staticmethod
     def _compiles(config: GraphConfig) -> bool:
-        return config.mode is GraphMode.PIECEWISE if config.compile is None else config.compile
+        # FULL_AND_PIECEWISE compiles its piecewise part (see `GraphConfig.single_modes`).
+        pieces = config.mode in (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE)
+        return pieces if config.compile is None else config.compile
 
     # Steps of a few tokens on int4 weights are mostly per-op overhead (about 1,500 small ops a
     # token): compiled pieces fuse the norms, rotary and SwiGLU around the int4 matmuls. Larger
