@@ -21,7 +21,7 @@ from torch import nn
 from mrv2.config import QuantPolicy
 from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.layers.batch_invariant import tiled_linear
-from mrv2.layers.packed import PACKED_DTYPES, pack_weight, packed_linear
+from mrv2.layers.packed import PACKED_DTYPES, PackedWeight
 from mrv2.layers.quantization import Int4Matmul, QuantizedWeight, int4_kernel_supports
 
 
@@ -55,7 +55,7 @@ class Linear(nn.Module):
             self._reads = [(1, start, in_features)]
         self.shard_sizes = shard_sizes
         self.packable = packable
-        self.packed: torch.Tensor | None = None  # the dense weight in oneDNN's layout (`pack`)
+        self.packed: PackedWeight | None = None  # the dense weight in oneDNN's layout (`pack`)
         out_features = sum(shard_sizes)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
@@ -78,7 +78,7 @@ class Linear(nn.Module):
             y = self.int4(x)
             return y if bias is None else y.add_(bias)
         if self.packed is not None:
-            return packed_linear(x, self.packed, bias)
+            return self.packed(x, bias)
         return F.linear(x, self.weight, bias)
 
     def tp_slice(self, name: str, shard: int | None) -> TPSlice | None:
@@ -92,7 +92,7 @@ class Linear(nn.Module):
         """Replace the dense bf16 or fp32 weight by its oneDNN-packed form; False where there is none to pack."""
         if not self.packable or self.weight is None or self.weight.dtype not in PACKED_DTYPES:
             return False
-        self.packed = pack_weight(self.weight, rows_hint)
+        self.packed = PackedWeight(self.weight, rows_hint)
         self.weight = None
         return True
 

@@ -4,8 +4,14 @@ oneDNN's AMX / AVX-512-BF16 kernels read weights in a blocked layout, while `F.l
 hands them a plain row-major one on every call. Packed once at load, the default
 model's bf16 shapes ran 1.3-1.9x faster at 1 to 64 rows and the same at 2048 on a 2 vCPU
 Sapphire Rapids, bit-identical to `F.linear`. fp32 packs where oneDNN beats MKL (AMD
-CPUs), not bit-identical there (see `Platform.linear_pack_rows`). Inductor cannot lower
-these ops, so compiled graphs keep plain weights.
+CPUs), not bit-identical there (see `Platform.linear_pack_rows`).
+
+Inductor cannot trace oneDNN's opaque tensors (no fake tensor can stand in for one), so
+compiled graphs reach a packed weight through `PackedWeight`: the custom op
+`mrv2::packed_linear` takes a small handle tensor, which compiled code passes like any
+buffer, and looks the packed tensor up by it at run time. One compiled graph then serves
+every layer, as with plain weights, and Inductor fuses the norms and activations between
+the GEMMs.
 
 oneDNN builds (JIT-compiles) a primitive per input shape and caches up to 1024 of them,
 so a server whose steps have every row count from 1 to 2048 grew by hundreds of MB
@@ -15,6 +21,9 @@ of 64 beyond (at most 6% more work there).
 """
 
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 
@@ -42,8 +51,47 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def row_buckets(max_rows: int) -> tuple[int, ...]:
+    """Every row bucket of calls of 1 to `max_rows` rows."""
+    return tuple(sorted({padded_rows(n) for n in range(1, max_rows + 1)}))
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] @ W^T (+ bias) with a weight from `pack_weight`."""
     rows = x.shape[0]
     out = torch.ops.mkldnn._linear_pointwise(pad_rows(x, padded_rows(rows)), packed, bias, "none", [], "")
     return out if out.shape[0] == rows else out[:rows]
+
+
+# Packed tensors by handle; an entry goes when its `PackedWeight` does.
+_by_handle: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_handles = itertools.count()
+
+
+@torch.library.custom_op("mrv2::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, handle: torch.Tensor, out_features: int,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    return packed_linear(x, _by_handle[int(handle)], bias)
+
+
+@_packed_linear_op.register_fake
+def _(x: torch.Tensor, handle: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+class PackedWeight(torch.nn.Module):
+    """A dense weight [out, in] packed for oneDNN (`pack_weight`), callable eagerly and inside compiled graphs."""
+
+    def __init__(self, weight: torch.Tensor, rows_hint: int) -> None:
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.tensor = pack_weight(weight, rows_hint)
+        handle = next(_handles)
+        _by_handle[handle] = self.tensor
+        # A buffer, so that compiled code takes it as an input: layers share one graph.
+        self.register_buffer("handle", torch.tensor(handle), persistent=False)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.mrv2.packed_linear(x, self.handle, self.out_features, bias)
+        return packed_linear(x, self.tensor, bias)  # eagerly without the dispatcher's few microseconds

@@ -83,10 +83,9 @@ class Platform(ABC):
         """
         return QuantPolicy(), f"{self.name} has no weight-only quantized kernels in mrv2"
 
-    def linear_pack_rows(self, dtype: torch.dtype, graph: GraphConfig | None, int4_rows: int = 0) -> int | None:
-        """Rows to pack dense linear weights for (`layers/packed.py`) at `dtype` with graph settings
-        `graph` (None: eager), or None to keep plain weights (the base platform: no packed kernels).
-        `int4_rows`: steps up to this many tokens run every linear layer through the int4 kernel."""
+    def linear_pack_rows(self, dtype: torch.dtype) -> int | None:
+        """Rows to pack dense linear weights for (`layers/packed.py`) at `dtype`, or None to keep
+        plain weights (the base platform: no packed kernels)."""
         return None
 
     def half_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
@@ -143,11 +142,12 @@ class Platform(ABC):
         """How this device records and replays forwards for `config` (eager re-runs where it has no graphs)."""
         return EagerGraphBackend()
 
-    def default_graph_config(self, int4_rows: int = 0) -> GraphConfig:
+    def default_graph_config(self, int4_rows: int = 0, packed_buckets: tuple[int, ...] = ()) -> GraphConfig:
         """Graph settings when the user gives none: FULL decode graphs where the device captures graphs.
 
         `int4_rows`: steps up to this many tokens run every linear layer through the int4
-        kernel (0: some never do; `CausalLM.int4_rows`).
+        kernel (0: some never do; `CausalLM.int4_rows`). `packed_buckets`: the row counts
+        packed dense GEMMs run as, up to the rows they were packed for (empty: weights are plain).
         """
         return GraphConfig(mode=GraphMode.FULL)
 

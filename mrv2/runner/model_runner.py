@@ -26,6 +26,7 @@ from mrv2.distributed.kv_transfer import KVConnectorMetadata, KVConnectorWorker,
 from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.engine.scheduler_output import SchedulerOutput
 from mrv2.kv_spec import KVCacheSpec
+from mrv2.layers.packed import row_buckets
 from mrv2.models.registry import attention_kind, build_model
 from mrv2.platforms import Platform
 from mrv2.platforms.device_queue import HostCopy, Pending
@@ -87,16 +88,20 @@ class ModelRunner:
                         spec.num_speculative_tokens)
         # Collectives inside compiled pieces are unmeasured: tensor-parallel ranks take no int4 default.
         int4_rows = self.model.int4_rows() if tp.size == 1 else 0
-        graph_config = config.graph_config(platform.default_graph_config(int4_rows))
-        graphs_on = not config.enforce_eager and graph_config.mode is not GraphMode.NONE
+        pack_rows = None if batch_invariant else platform.linear_pack_rows(dtype)
         if batch_invariant:
             self.model.make_batch_invariant()
-        elif (rows := platform.linear_pack_rows(dtype, graph_config if graphs_on else None, int4_rows)) is not None:
-            packed = self.model.pack_linear_weights(rows)
-            packed += self.drafter.head.pack_linear_weights(rows) if self.drafter else 0
+        elif pack_rows is not None:
+            packed = self.model.pack_linear_weights(pack_rows)
+            packed += self.drafter.head.pack_linear_weights(pack_rows) if self.drafter else 0
             if packed:
                 logger.info("Dense weights of %d linear layers prepacked for oneDNN (batches of ~%d rows)",
-                            packed, rows)
+                            packed, pack_rows)
+            else:
+                pack_rows = None
+        buckets = row_buckets(pack_rows) if pack_rows is not None else ()
+        graph_config = config.graph_config(platform.default_graph_config(int4_rows, buckets))
+        graphs_on = not config.enforce_eager and graph_config.mode is not GraphMode.NONE
         self.model.eval()
         # Prefill/decode disaggregation: the model saves (and waits for loads) per attention call through it.
         self.kv_connector: KVConnectorWorker | None = None

@@ -72,7 +72,7 @@ def test_bf16_engine_packs_its_linears_and_lm_head_and_matches_plain_weights(tin
     plain_model = plain.engine.runner.model
     for m in plain_model.modules():
         if isinstance(m, Linear) and m.packed is not None:
-            m.weight, m.packed = torch.nn.Parameter(m.packed.to_dense(), requires_grad=False), None
+            m.weight, m.packed = torch.nn.Parameter(m.packed.tensor.to_dense(), requires_grad=False), None
     if not tied:
         plain_model.lm_head_weight = torch.nn.Parameter(plain_model.lm_head_packed.to_dense(), requires_grad=False)
     plain_model.lm_head_packed = None
@@ -103,3 +103,28 @@ def test_fp32_engine_packs_where_the_platform_says_and_keeps_transformers_tokens
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
     assert list(out[0].outputs[0].token_ids) == ref
     llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32])
+def test_compiled_code_calls_each_layers_packed_weight_through_one_graph(dtype):
+    """Compiled graphs reach packed weights through the custom op; layers of one shape share the graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(2):
+        layer = Linear(96, [80], True, dtype)
+        layer.weight.data.normal_()
+        layer.bias.data.normal_()
+        assert layer.pack(64)
+        layers.append(layer)
+
+    def block(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(layer(x * 2))
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(block, backend=counter, dynamic=False)
+    x = torch.randn(5, 96, dtype=dtype)
+    for layer in layers:  # a graph that baked one layer's weight in would give the other's result
+        assert torch.equal(compiled(layer, x), block(layer, x))
+    assert counter.frame_count == 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mrv2.config import GraphConfig, GraphMode
 from mrv2.platforms import CpuPlatform
 
 
@@ -55,29 +54,17 @@ def test_quantized_kernels_follow_cpu_flags_and_dtype(flags, dtype, quantization
     assert why
 
 
-SMALL_PIECES = GraphConfig(mode=GraphMode.PIECEWISE, capture_sizes=(1, 2, 4))
-
-
 INTEL, AMD = "GenuineIntel", "AuthenticAMD"
 
 
-@pytest.mark.parametrize("flags,vendor,dtype,graph,int4_rows,packs", [
-    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, INTEL, torch.bfloat16, None, 0, True),  # Sapphire Rapids
-    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.bfloat16, GraphConfig(mode=GraphMode.FULL), 0, True),  # Zen 4
-    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, INTEL, torch.float32, None, 0, False),  # fp32 keeps MKL
-    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.float32, None, 0, True),  # MKL's fp32 is slow on AMD
-    ({"avx2", "fma"}, AMD, torch.float32, None, 0, True),  # Zen 3 too
-    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.float32, GraphConfig(mode=GraphMode.PIECEWISE), 0, False),
-    ({"avx2", "fma"}, AMD, torch.bfloat16, None, 0, False),  # Zen 3: no native bf16 kernels to pack for
-    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.bfloat16, GraphConfig(mode=GraphMode.PIECEWISE), 0,
-     False),  # compiled
-    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.bfloat16,
-     GraphConfig(mode=GraphMode.PIECEWISE, compile=False), 0, True),  # piecewise, uncompiled
-    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.bfloat16, GraphConfig(mode=GraphMode.FULL_AND_PIECEWISE), 0, False),
-    # Compiled pieces no larger than the int4 kernel's rows never call a packed GEMM.
-    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.bfloat16, SMALL_PIECES, 4, True),
-    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.bfloat16, SMALL_PIECES, 2, False),
+@pytest.mark.parametrize("flags,vendor,dtype,packs", [
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, INTEL, torch.bfloat16, True),  # Sapphire Rapids
+    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.bfloat16, True),  # Zen 4
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, INTEL, torch.float32, False),  # fp32 keeps MKL
+    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.float32, True),  # MKL's fp32 is slow on AMD
+    ({"avx2", "fma"}, AMD, torch.float32, True),  # Zen 3 too
+    ({"avx2", "fma"}, AMD, torch.bfloat16, False),  # Zen 3: no native bf16 kernels to pack for
 ])
-def test_linear_packing_follows_cpu_flags_dtype_and_compilation(flags, vendor, dtype, graph, int4_rows, packs):
-    rows = CpuPlatform(frozenset(flags), vendor).linear_pack_rows(dtype, graph, int4_rows)
+def test_linear_packing_follows_cpu_flags_and_dtype(flags, vendor, dtype, packs):
+    rows = CpuPlatform(frozenset(flags), vendor).linear_pack_rows(dtype)
     assert (rows is not None) == packs and (rows is None or rows > 0)

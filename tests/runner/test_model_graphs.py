@@ -28,6 +28,7 @@ def test_eager_builds_no_graphs(eager):
 
 
 def test_cpu_default_is_eager_unless_small_steps_run_int4():
+    from mrv2.layers.packed import row_buckets
     from mrv2.platforms import get_platform
 
     cpu = get_platform("cpu")
@@ -35,6 +36,10 @@ def test_cpu_default_is_eager_unless_small_steps_run_int4():
     for rows, sizes in ((4, (1, 2, 4)), (8, (1, 2, 4, 8)), (5, (1, 2, 4)), (1, (1,))):
         config = cpu.default_graph_config(int4_rows=rows)
         assert (config.mode, config.capture_sizes, config.compile) == (GraphMode.PIECEWISE, sizes, True)
+    # Where the dense copy is packed, the packed GEMMs' row buckets above the int4 kernel's rows too.
+    config = cpu.default_graph_config(int4_rows=4, packed_buckets=row_buckets(64))
+    assert config.capture_sizes == (1, 2, 4, 8, 16, 32, 48, 64)
+    assert cpu.default_graph_config(packed_buckets=row_buckets(64)).mode is GraphMode.NONE
 
 
 @pytest.mark.parametrize("batch", [1, 3, 4, 5, 8, 12])  # hits (1, 4, 8), padded (3, 5), above the largest (12)
