@@ -88,18 +88,16 @@ class ModelRunner:
                         spec.num_speculative_tokens)
         # Collectives inside compiled pieces are unmeasured: tensor-parallel ranks take no int4 default.
         int4_rows = self.model.int4_rows() if tp.size == 1 else 0
-        pack_rows = None if batch_invariant else platform.linear_pack_rows(dtype)
+        buckets: tuple[int, ...] = ()  # the packed GEMMs' row buckets, where any weight was packed
         if batch_invariant:
             self.model.make_batch_invariant()
-        elif pack_rows is not None:
-            packed = self.model.pack_linear_weights(pack_rows)
-            packed += self.drafter.head.pack_linear_weights(pack_rows) if self.drafter else 0
+        elif (rows := platform.linear_pack_rows(dtype)) is not None:
+            packed = self.model.pack_linear_weights(rows)
+            packed += self.drafter.head.pack_linear_weights(rows) if self.drafter else 0
             if packed:
                 logger.info("Dense weights of %d linear layers prepacked for oneDNN (batches of ~%d rows)",
-                            packed, pack_rows)
-            else:
-                pack_rows = None
-        buckets = row_buckets(pack_rows) if pack_rows is not None else ()
+                            packed, rows)
+                buckets = row_buckets(rows)
         graph_config = config.graph_config(platform.default_graph_config(int4_rows, buckets))
         graphs_on = not config.enforce_eager and graph_config.mode is not GraphMode.NONE
         self.model.eval()
