@@ -66,11 +66,13 @@ class QuantPolicy:
     `int4_max_rows`: batches of at most this many rows use the int4 kernel (0: no fast
     int4 kernel here, weights are dequantized). `dense_budget`: bytes a dense copy of the
     quantized weights may take, for larger batches, where dense GEMMs are faster; the
-    copy is kept only if all of it fits (0: never).
+    copy is kept only if all of it fits (0: never). `gemv_isa`: the instruction set of the
+    platform's own block GEMV for those batches (the platform's numbering; 0: torch's int4 kernel).
     """
 
     int4_max_rows: int = 0
     dense_budget: int = 0
+    gemv_isa: int = 0
 
     @property
     def uses_int4(self) -> bool:

@@ -22,7 +22,7 @@ from mrv2.config import QuantPolicy
 from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.layers.batch_invariant import tiled_linear
 from mrv2.layers.packed import PACKED_DTYPES, PackedWeight
-from mrv2.layers.quantization import Int4Matmul, QuantizedWeight, int4_kernel_supports
+from mrv2.layers.quantization import QuantizedMatmul, QuantizedWeight, quantized_matmul
 
 
 TPSlice = tuple[int, int, int]  # (dim, start, length) of a checkpoint tensor one rank reads
@@ -60,7 +60,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self._quantized: list[QuantizedWeight | None] = [None] * len(shard_sizes)
-        self.int4: Int4Matmul | None = None
+        self.int4: QuantizedMatmul | None = None  # the small-batch kernel (int4 or block GEMV)
         self.int4_max_rows = 0
         self.row_tile = 0  # > 0: batch-invariant, through calls of exactly this many rows (dense weight only)
 
@@ -119,11 +119,9 @@ class Linear(nn.Module):
         self._quantized = [None] * len(parts)
         if all(p is None for p in parts):
             return
-        n, k = self.weight.shape
-        use_int4 = (policy.uses_int4 and all(p is not None for p in parts)
-                    and len({p.qtype for p in parts}) == 1 and int4_kernel_supports(n, k))
-        if use_int4:
-            self.int4 = Int4Matmul(QuantizedWeight.cat(parts), self.weight.dtype)
+        if all(p is not None for p in parts) and len({p.qtype for p in parts}) == 1:
+            self.int4 = quantized_matmul(QuantizedWeight.cat(parts), self.weight.dtype, policy)
+        if self.int4 is not None:
             self.int4_max_rows = policy.int4_max_rows
             if not keep_dense:
                 self.weight = None

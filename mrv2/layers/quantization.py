@@ -16,6 +16,12 @@ as `(q - 8) * scale + zero`:
 
 Scales and zeros are held in the activations' dtype, so effective weights equal the
 GGUF dequantization up to that dtype's rounding of the scales.
+
+`BlockGemv` runs Q4_0, Q4_1 and Q8_0 weights (and Q4_K whose scales fp16 holds exactly) on
+the platform's own block kernels (`torch.ops.mrv2_gguf`, loaded by the platform), which keep
+GGUF's blocks and fp16 scales as they are: one pass over the weights for Q8_0, and integer
+dot products with the activations quantized to int8 per block, as llama.cpp computes them.
+`quantized_matmul` picks one of the two for a weight and a `QuantPolicy`.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from mrv2.config import QuantPolicy
 
 GGUF_BLOCK = 32
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
@@ -129,3 +137,73 @@ class Int4Matmul:
     @property
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in self._packs)
+
+
+class BlockGemv:
+    """x @ W^T for a `QuantizedWeight` on the platform's block GEMV (`gemv_isa` names its instruction set).
+
+    Codes keep GGUF's layout (Q4: two a byte, weight j and j + 16 of a block in one byte);
+    scales and mins are fp16, as GGUF stores them (Q4_0 as Q4_1 with min -8d, exact in fp16).
+    """
+
+    def __init__(self, weight: QuantizedWeight, isa: int) -> None:
+        if not block_gemv_supports(weight):
+            raise ValueError(f"{weight.qtype} weight of shape {tuple(weight.shape)} is not one the block GEMV takes")
+        self.isa = isa
+        self.out_features, self.in_features = weight.shape
+        n, k = weight.shape
+        self.scales = _padded_halves(weight.scales)
+        if weight.qtype == "Q8_0":
+            self.codes = weight.codes.to(torch.int8).contiguous()
+            self.mins = None
+        else:
+            blocks = weight.codes.to(torch.uint8).view(n, k // GGUF_BLOCK, GGUF_BLOCK)
+            self.codes = (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+            self.mins = _padded_halves(-8 * weight.scales.float() if weight.qtype == "Q4_0" else weight.mins)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if self.mins is None:
+            y = torch.ops.mrv2_gguf.q8_gemv(x2, self.codes, self.scales, self.isa)
+        else:
+            y = torch.ops.mrv2_gguf.q4_gemv(x2, self.codes, self.scales, self.mins, self.isa)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+
+
+def _padded_halves(t: torch.Tensor) -> torch.Tensor:
+    """Per-block values as the kernel takes them: fp16, rows padded with zeros to a multiple of 8."""
+    pad = -t.shape[1] % 8
+    return torch.nn.functional.pad(t.to(torch.float16), (0, pad)).contiguous()
+
+
+def _fp16_exact(t: torch.Tensor) -> bool:
+    f = t.float()
+    return bool(torch.equal(f.to(torch.float16).float(), f))
+
+
+def block_gemv_supports(weight: QuantizedWeight) -> bool:
+    """Whether `BlockGemv` holds `weight` exactly: whole blocks, and scales (and mins) that fp16 represents."""
+    if weight.shape[1] % GGUF_BLOCK or not _fp16_exact(weight.scales):
+        return False
+    if weight.qtype == "Q4_0":
+        return _fp16_exact(-8 * weight.scales.float())
+    return weight.mins is None or _fp16_exact(weight.mins)
+
+
+QuantizedMatmul = Int4Matmul | BlockGemv
+
+
+def quantized_matmul(weight: QuantizedWeight, dtype: torch.dtype, policy: QuantPolicy) -> QuantizedMatmul | None:
+    """The policy's kernel for `weight`: the block GEMV where it holds the weight exactly, else torch's
+    int4 kernel where its shapes allow; None: neither (the weight is dequantized)."""
+    if not policy.uses_int4:
+        return None
+    if policy.gemv_isa and block_gemv_supports(weight):
+        return BlockGemv(weight, policy.gemv_isa)
+    if int4_kernel_supports(*weight.shape):
+        return Int4Matmul(weight, dtype)
+    return None

@@ -30,7 +30,7 @@ from mrv2.layers.embedding import VocabEmbedding
 from mrv2.layers.linear import Linear, TPSlice, pack_linears
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.packed import PACKED_DTYPES, pack_weight, packed_linear, packing_available
-from mrv2.layers.quantization import Int4Matmul, QuantizedWeight, int4_kernel_supports
+from mrv2.layers.quantization import QuantizedMatmul, QuantizedWeight, quantized_matmul
 from mrv2.models.weights import load_hf_weights
 
 
@@ -118,7 +118,7 @@ class CausalLM(nn.Module):
             self.lm_head_weight = nn.Parameter(torch.empty(self.embed_tokens.num_embeddings, c.hidden_size,
                                                            dtype=dtype), requires_grad=False)
         self._lm_head_quantized: QuantizedWeight | None = None
-        self.lm_head_int4: Int4Matmul | None = None
+        self.lm_head_int4: QuantizedMatmul | None = None
         self.lm_head_int4_max_rows = 0
         self.lm_head_packed: torch.Tensor | None = None  # the dense LM head in oneDNN's layout
         self.row_tile = 0  # > 0: batch-invariant LM head (`make_batch_invariant`)
@@ -290,8 +290,8 @@ class CausalLM(nn.Module):
         keep_dense = dense <= policy.dense_budget
         for m in linears:
             m.finalize_quantization(policy, keep_dense)
-        if head is not None and int4_kernel_supports(*head.shape):
-            self.lm_head_int4, self.lm_head_int4_max_rows = Int4Matmul(head, self.dtype), policy.int4_max_rows
+        if head is not None and (matmul := quantized_matmul(head, self.dtype, policy)) is not None:
+            self.lm_head_int4, self.lm_head_int4_max_rows = matmul, policy.int4_max_rows
         head_dense = keep_dense or self.lm_head_int4 is None
         embed.finalize_quantization(keep_dense or (tied and head_dense))
         if tied:
@@ -306,7 +306,7 @@ class CausalLM(nn.Module):
         self._lm_head_quantized = None
         int4 = sum(m.int4.nbytes for m in linears if m.int4 is not None)
         int4 += self.lm_head_int4.nbytes if self.lm_head_int4 is not None else 0
-        return (f"int4 kernels ({int4 / 2**20:.0f} MiB) for batches of up to {policy.int4_max_rows} rows; "
+        return (f"quantized kernels ({int4 / 2**20:.0f} MiB) for batches of up to {policy.int4_max_rows} rows; "
                 + (f"a dense copy ({dense / 2**20:.0f} MiB) for larger ones" if keep_dense else
                    f"no dense copy ({dense / 2**20:.0f} MiB would exceed the budget of "
-                   f"{policy.dense_budget / 2**20:.0f} MiB): int4 for every batch"))
+                   f"{policy.dense_budget / 2**20:.0f} MiB): quantized for every batch"))

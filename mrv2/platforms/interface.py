@@ -83,6 +83,9 @@ class Platform(ABC):
         """
         return QuantPolicy(), f"{self.name} has no weight-only quantized kernels in mrv2"
 
+    def load_quant_kernels(self, policy: QuantPolicy) -> None:
+        """Load the kernels `policy` runs into this process (a runner's, which may not be the engine's)."""
+
     def linear_pack_rows(self, dtype: torch.dtype) -> int | None:
         """Rows to pack dense linear weights for (`layers/packed.py`) at `dtype`, or None to keep
         plain weights (the base platform: no packed kernels)."""

@@ -76,8 +76,10 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = build_model(hf_config, self.attn_backend, dtype, self.max_model_len, tp)
         self.model.load_weights(weights)
-        if quant_policy is not None and (placed := self.model.finalize_quantization(quant_policy)):
-            logger.info("Quantized weights: %s", placed)
+        if quant_policy is not None:
+            platform.load_quant_kernels(quant_policy)
+            if placed := self.model.finalize_quantization(quant_policy):
+                logger.info("Quantized weights: %s", placed)
         spec = config.speculative
         self.drafter: Drafter | None = None
         if spec is not None and spec.uses_model:

@@ -11,7 +11,7 @@ from mrv2.config import QuantPolicy
 from mrv2.layers.linear import Linear
 from mrv2.layers.packed import packing_available
 from mrv2.platforms import CpuPlatform
-from test_quantization import quantized
+from quant_helpers import quantized
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="packing needs torch's oneDNN ops")
 needs_bf16 = pytest.mark.skipif(not CpuPlatform().supports_native_bf16(),

@@ -6,28 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
 
 from mrv2.config import QuantPolicy
 from mrv2.layers.linear import Linear
 from mrv2.layers.quantization import Int4Matmul, QuantizedWeight
-from mrv2.loader.gguf_quant import decode_blocks, stored_weight
-from quant_helpers import random_q4_k
+from quant_helpers import quantized
 
 TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q8_0"]
-
-
-def quantized(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, np.ndarray]:
-    """A random [n, k] weight quantized by `gguf` (Q4_K: random blocks) and its reference dequantization."""
-    rng = np.random.default_rng(seed)
-    if qtype == "Q4_K":
-        raw = random_q4_k(n, k, rng)
-    else:
-        raw = quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[qtype])
-    ref = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)
-    parts = {p: torch.from_numpy(a) for p, a in decode_blocks(qtype, raw, n, k).items()}
-    return stored_weight(qtype, parts), ref
 
 
 @pytest.mark.parametrize("qtype", TYPES)

@@ -54,6 +54,23 @@ def test_quantized_kernels_follow_cpu_flags_and_dtype(flags, dtype, quantization
     assert why
 
 
+VNNI = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+
+
+@pytest.mark.parametrize("flags,isa", [
+    (VNNI | {"avx512_bf16", "amx_bf16"}, 2),  # Sapphire Rapids
+    (VNNI | {"avx512_bf16"}, 2),  # Zen 4
+    ({"avx2", "fma", "f16c"}, 1),  # Zen 3
+    ({"avx2", "avx512f"}, 0),  # no FMA or F16C named: torch's int4 kernel
+])
+def test_block_gemv_follows_cpu_flags(flags, isa):
+    platform = CpuPlatform(frozenset(flags))
+    assert platform.gemv_isa() == isa
+    policy, why = platform.quant_policy(torch.bfloat16, "auto")
+    assert policy.uses_int4 and policy.gemv_isa == isa  # the kernels build on this machine (a compiler is here)
+    assert why.startswith("mrv2's GGUF block GEMV" if isa else "torch's int4 kernel (mrv2's GGUF block GEMV: ")
+
+
 INTEL, AMD = "GenuineIntel", "AuthenticAMD"
 
 

@@ -1,0 +1,158 @@
+// Matrix-vector products on GGUF block weights for small batches (a few rows) on x86 CPUs:
+// integer dot products of the weight codes with the activations quantized to int16 per
+// 32-value block (a finer step than bf16's rounding), scaled per block in fp32.
+//
+// A weight [N, K] keeps GGUF's blocks of 32 weights along K, one fp16 scale (and min) each:
+// - q4: codes uint8 [N, K / 2], byte j of a block holding weight j in its low nibble and
+//   weight j + 16 in its high one (GGUF's Q4_0/Q4_1 order); weight = d * q + m;
+// - q8: codes int8 [N, K]; weight = d * q.
+// Weights are read from memory once per call whatever the rows of x: a few rows a pass, over
+// tiles of weight rows kept in cache. Output rows are split over the intra-op threads.
+// `isa` is the instruction set the caller found in the CPU's flags: 2 for AVX512-VNNI
+// (vpdpwssd on 256-bit registers), 1 for AVX2.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+// Rows of x a pass over the weights serves, as many as keep their accumulators in registers:
+// 16 ymm registers with AVX2, 32 with AVX-512.
+constexpr int64_t kPassRowsAvx2 = 4, kPassRowsAvx512 = 8;
+constexpr int64_t kTileRows = 16;  // weight rows every pass reads while they are in cache
+
+// Rows of per-block values (scales, mins, x's block scales and sums) are padded to whole
+// 8-float vectors, so that they are converted and multiplied without scalar tails.
+constexpr int64_t padded_blocks(int64_t blocks) { return (blocks + 7) / 8 * 8; }
+
+// Rows of x as int16 codes per 32-value block, with each block's scale and exact sum (rows of
+// padded_blocks values).
+struct QuantizedX {
+  const int16_t* q;
+  const float* d;
+  const float* s;
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+constexpr bool kVnni = false;
+#include "gguf_dot.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+namespace vnni {
+constexpr bool kVnni = true;
+#include "gguf_dot.inc"
+}  // namespace vnni
+#pragma GCC pop_options
+
+void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t code_cols_per_block,
+           at::ScalarType code_type, int64_t isa) {
+  TORCH_CHECK(isa == 1 || isa == 2, "isa must be 1 (AVX2) or 2 (AVX512-VNNI), got ", isa);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in_features] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % kBlock == 0, "in_features must be a multiple of ", kBlock, ", got ", K);
+  TORCH_CHECK(codes.scalar_type() == code_type && codes.is_contiguous() && codes.dim() == 2 &&
+                  codes.size(1) == K / kBlock * code_cols_per_block,
+              "codes must be contiguous [out_features, ", K / kBlock * code_cols_per_block, "] of ", code_type,
+              ", got ", codes.sizes(), " of ", codes.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == padded_blocks(K / kBlock),
+              "scales must be contiguous fp16 [out_features, ", padded_blocks(K / kBlock),
+              "] (a scale per 32 in_features, zeros to a multiple of 8), got ", scales.sizes());
+}
+
+template <bool kQ4, typename T>
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const uint16_t* mins,
+                int64_t isa) {
+  const int64_t rows = x.size(0), K = x.size(1), N = codes.size(0), nb = K / kBlock;
+  std::vector<int16_t> q(rows * K);
+  const int64_t nbp = padded_blocks(nb);
+  std::vector<float> d(rows * nbp), s(rows * nbp);
+  const T* xp = x.data_ptr<T>();
+  if (isa == 2) {
+    vnni::quantize_x(xp, rows, nb, q.data(), d.data(), s.data());
+  } else {
+    avx2::quantize_x(xp, rows, nb, q.data(), d.data(), s.data());
+  }
+  at::Tensor out = at::empty({rows, N}, x.options());
+  const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
+  const auto* d16 = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  // About 64K weights a task: smaller pieces cost more in scheduling than they save.
+  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / K);
+  T* o = out.data_ptr<T>();
+  const int64_t pass_rows = isa == 2 ? kPassRowsAvx512 : kPassRowsAvx2;
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    // Tiles of kTileRows weight rows stay in cache while every pass of rows of
+    // x reads them: large batches read the weights from memory once too.
+    for (int64_t t0 = n0; t0 < n1; t0 += kTileRows) {
+      const int64_t t1 = std::min(t0 + kTileRows, n1);
+      for (int64_t r0 = 0; r0 < rows; r0 += pass_rows) {
+        const QuantizedX qx{q.data() + r0 * K, d.data() + r0 * nbp, s.data() + r0 * nbp};
+        T* orow = o + r0 * N;
+        const int64_t m = std::min(pass_rows, rows - r0);
+#define ROWS(M, ISA) ISA::dot_rows<M, kQ4, T>(qx, K, c, d16, mins, orow, N, t0, t1)
+        if (isa == 2) {
+          switch (m) {
+            case 1: ROWS(1, vnni); break;
+            case 2: ROWS(2, vnni); break;
+            case 3: ROWS(3, vnni); break;
+            case 4: ROWS(4, vnni); break;
+            case 5: ROWS(5, vnni); break;
+            case 6: ROWS(6, vnni); break;
+            case 7: ROWS(7, vnni); break;
+            default: ROWS(8, vnni); break;
+          }
+        } else {
+          switch (m) {
+            case 1: ROWS(1, avx2); break;
+            case 2: ROWS(2, avx2); break;
+            case 3: ROWS(3, avx2); break;
+            default: ROWS(4, avx2); break;
+          }
+        }
+#undef ROWS
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor q4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                   int64_t isa) {
+  check(x, codes, scales, kBlock / 2, at::kByte, isa);
+  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous(),
+              "mins must be shaped and typed like scales");
+  const auto* m = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  return x.scalar_type() == at::kFloat ? gemv<true, float>(x, codes, scales, m, isa)
+                                       : gemv<true, at::BFloat16>(x, codes, scales, m, isa);
+}
+
+at::Tensor q8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t isa) {
+  check(x, codes, scales, kBlock, at::kChar, isa);
+  return x.scalar_type() == at::kFloat ? gemv<false, float>(x, codes, scales, nullptr, isa)
+                                       : gemv<false, at::BFloat16>(x, codes, scales, nullptr, isa);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mrv2_gguf, m) {
+  m.def("q4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor mins, int isa) -> Tensor");
+  m.def("q8_gemv(Tensor x, Tensor codes, Tensor scales, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mrv2_gguf, CPU, m) {
+  m.impl("q4_gemv", &q4_gemv);
+  m.impl("q8_gemv", &q8_gemv);
+}

@@ -1,0 +1,96 @@
+"""The CPU platform's GGUF block GEMV (`mrv2/platforms/cpu_kernels`): each instruction set this
+machine runs gives the dequantized weight's matmul within bf16 rounding, eagerly and compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrv2.config import QuantPolicy
+from mrv2.layers.quantization import BlockGemv, Int4Matmul, QuantizedWeight, block_gemv_supports, quantized_matmul
+from mrv2.platforms.cpu import GEMV_ISAS, CpuPlatform
+from mrv2.platforms.cpu_kernels import load_gguf_gemv
+from quant_helpers import quantized
+
+MACHINE_ISA = CpuPlatform().gemv_isa()
+# Every instruction set this CPU runs (AVX512-VNNI machines run the AVX2 code as well).
+ISAS = [isa for isa in GEMV_ISAS if isa <= MACHINE_ISA]
+
+pytestmark = pytest.mark.skipif(not ISAS, reason="the block GEMV needs AVX2, FMA and F16C")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    failed = load_gguf_gemv()
+    assert failed is None, failed
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 results within a few bf16 ulps of the output's scale; fp32 ones within int16 codes' step
+    (activations are quantized to int16 per block: errors measured up to 8e-5 of the largest output)."""
+    tol = 2 ** -6 if got.dtype == torch.bfloat16 else 2 ** -12
+    assert (got.float() - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: GEMV_ISAS[i])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9, 20])  # passes of 4 (AVX2) or 8 rows, and remainders
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_block_gemv_equals_the_dequantized_weight(isa, qtype, rows, dtype):
+    # 40 output rows (not a multiple of any tile) and 12 blocks a row (scales padded to 16).
+    weight, ref = quantized(qtype, 40, 384, seed=rows)
+    x = torch.randn(rows, 384, dtype=dtype)
+    got = BlockGemv(weight, isa)(x)
+    assert got.dtype == dtype and got.shape == (rows, 40)
+    _close(got, x.double() @ torch.from_numpy(ref).double().t())
+
+
+def test_every_instruction_set_computes_the_same_integer_dot_products():
+    if len(ISAS) < 2:
+        pytest.skip("this CPU runs one instruction set of the block GEMV")
+    weight, _ = quantized("Q4_1", 64, 1536, seed=3)
+    x = torch.randn(3, 1536)
+    outs = [BlockGemv(weight, isa)(x) for isa in ISAS]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)  # only the float sums' order differs
+
+
+def test_leading_dims_and_a_large_vocabulary_head():
+    weight, ref = quantized("Q8_0", 4096, 64, seed=4)
+    x = torch.randn(2, 1, 64, dtype=torch.bfloat16)
+    got = BlockGemv(weight, MACHINE_ISA)(x)
+    assert got.shape == (2, 1, 4096)
+    _close(got, x.float() @ torch.from_numpy(ref).t())
+
+
+def test_compiled_code_calls_the_kernel():
+    weight, _ = quantized("Q4_1", 64, 256, seed=5)
+    gemv = BlockGemv(weight, MACHINE_ISA)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    compiled = torch.compile(lambda t: gemv(t) * 2, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x), gemv(x) * 2)
+
+
+def test_bad_operands_name_the_problem():
+    weight, _ = quantized("Q4_1", 32, 64)
+    gemv = BlockGemv(weight, MACHINE_ISA)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.mrv2_gguf.q4_gemv(torch.randn(1, 48), gemv.codes, gemv.scales, gemv.mins, MACHINE_ISA)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        torch.ops.mrv2_gguf.q4_gemv(torch.randn(1, 64), gemv.codes, gemv.scales[:, :1].contiguous(), gemv.mins,
+                                    MACHINE_ISA)
+    with pytest.raises(RuntimeError, match="isa must be"):
+        torch.ops.mrv2_gguf.q8_gemv(torch.randn(1, 64), gemv.codes, gemv.scales, 3)
+
+
+def test_weights_the_block_gemv_cannot_hold_exactly_take_torchs_int4_kernel():
+    policy = QuantPolicy(int4_max_rows=4, gemv_isa=MACHINE_ISA)
+    q41, _ = quantized("Q4_1", 32, 64)
+    assert isinstance(quantized_matmul(q41, torch.bfloat16, policy), BlockGemv)
+    # Q4_K's sub-block scales (d * sc) are exact in fp32, not always in fp16.
+    q4k, _ = quantized("Q4_K", 32, 256)
+    assert not block_gemv_supports(q4k)
+    assert isinstance(quantized_matmul(q4k, torch.bfloat16, policy), Int4Matmul)
+    odd = QuantizedWeight("Q4_1", q41.codes[:24], q41.scales[:24], q41.mins[:24])  # 24 rows: not int4's tiles
+    assert isinstance(quantized_matmul(odd, torch.bfloat16, policy), BlockGemv)
+    assert quantized_matmul(odd, torch.bfloat16, QuantPolicy(int4_max_rows=4)) is None
+    assert quantized_matmul(q41, torch.bfloat16, QuantPolicy()) is None
