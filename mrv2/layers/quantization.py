@@ -19,8 +19,8 @@ GGUF dequantization up to that dtype's rounding of the scales.
 
 `BlockGemv` runs Q4_0, Q4_1 and Q8_0 weights (and Q4_K whose scales fp16 holds exactly) on
 the platform's own block kernels (`torch.ops.mrv2_gguf`, loaded by the platform), which keep
-GGUF's blocks and fp16 scales as they are: one pass over the weights for Q8_0, and integer
-dot products with the activations quantized to int8 per block, as llama.cpp computes them.
+GGUF's blocks and fp16 scales as they are (one pass over the weights for Q8_0) and sum
+integer products with the activations quantized to int16 per block (a finer step than bf16).
 `quantized_matmul` picks one of the two for a weight and a `QuantPolicy`.
 """
 

@@ -94,29 +94,36 @@ class CpuPlatform(Platform):
     # / 41.0 ms at batch 1, 22.4 / 42.4 at 2, 47.5 / 41.0 at 8.
     int4_max_rows_packed = 4
 
-    def quant_policy(self, dtype: torch.dtype, quantization: str | None) -> tuple[QuantPolicy, str]:
+    def quant_policy(self, dtype: torch.dtype, quantization: str | None,
+                     exact: bool = False) -> tuple[QuantPolicy, str]:
         if quantization is None:
             return QuantPolicy(), "quantization=None was asked for"
-        if dtype != torch.bfloat16:
-            return QuantPolicy(), (f"the int4 kernels are fast in bfloat16 only; this engine runs "
-                                   f"{str(dtype).removeprefix('torch.')}")
-        if not {"avx2", "avx512f"} & self.flags:
-            return QuantPolicy(), "the int4 kernels need AVX2 or AVX-512"
+        if exact and dtype == torch.float32 and quantization == "auto":
+            return QuantPolicy(), "dtype='float32' is the exact reference mode (quantization='gguf' keeps them)"
+        if dtype not in (torch.bfloat16, torch.float32):
+            return QuantPolicy(), f"no quantized kernels for {str(dtype).removeprefix('torch.')} activations"
         budget = self.free_memory() // 4 if quantization == "auto" else 0
         rows = self.int4_max_rows_packed if self.supports_native_bf16() else self.int4_max_rows
+        dense = ("dense GEMMs above when a copy fits a quarter of free memory" if budget else
+                 "and above (quantization='gguf': no dense copy)")
         isa = self.gemv_isa()
         failed = load_gguf_gemv() if isa else "the CPU lacks AVX2, FMA or F16C"
-        kernel = (f"mrv2's GGUF block GEMV ({GEMV_ISAS[isa]})" if failed is None
-                  else f"torch's int4 kernel (mrv2's GGUF block GEMV: {failed})")
-        return QuantPolicy(rows, budget, isa if failed is None else 0), (
-            f"{kernel} for up to {rows} rows (faster than dense GEMMs there), "
-            + ("dense bf16 GEMMs above when a copy fits a quarter of free memory" if budget else
-               "and above (quantization='gguf': no dense copy)"))
+        if failed is None:
+            return QuantPolicy(rows, budget, isa), (
+                f"mrv2's GGUF block GEMV ({GEMV_ISAS[isa]}) for up to {rows} rows (faster than dense GEMMs there), "
+                + dense)
+        # torch's int4 kernel is vectorized for bf16 activations only (8 ms for a 3072 x 576
+        # weight in fp32).
+        if dtype != torch.bfloat16 or not {"avx2", "avx512f"} & self.flags:
+            return QuantPolicy(), f"no fast quantized kernel for this CPU and dtype (mrv2's GGUF block GEMV: {failed})"
+        return QuantPolicy(rows, budget), (
+            f"torch's int4 kernel (mrv2's GGUF block GEMV: {failed}) for up to {rows} rows (faster than dense "
+            f"GEMMs there), " + dense)
 
-    # mrv2's block GEMV (`cpu_kernels/gguf_gemv.cpp`) multiplies the weight codes with
-    # activations quantized to int8 per 32-value block, as llama.cpp does: the default model's
-    # 30 layers at 1 row (2 cores, Zen 4, weights from DRAM) took 3.9 ms against 4.3 for torch's
-    # int4 kernel, its Q8_0 LM head 0.9 ms against 2.0 (two int4 passes there).
+    # mrv2's block GEMV (`cpu_kernels/gguf_gemv.cpp`) multiplies the weight codes with the
+    # activations quantized to int16 per 32-value block: one layer of the default model at 1 row
+    # (2 cores, Zen 4, weights from DRAM) took 113 us against 131 for torch's int4 kernel, its
+    # Q8_0 LM head 0.9 ms against 2.0 (two int4 passes there).
     def gemv_isa(self) -> int:
         """The block GEMV's instruction set on this CPU: 2 AVX512-VNNI, 1 AVX2, 0 none (torch's int4 kernel)."""
         if not {"avx2", "fma", "f16c"} <= self.flags:

@@ -76,8 +76,10 @@ class Platform(ABC):
         return torch.float32, (f"dtype='auto': {self.name} has no native bf16 (emulated bf16 measured 1.5-4.5x "
                                f"slower than float32)")
 
-    def quant_policy(self, dtype: torch.dtype, quantization: str | None) -> tuple[QuantPolicy, str]:
-        """How quantized checkpoint weights run at `dtype`, and why (for the log).
+    def quant_policy(self, dtype: torch.dtype, quantization: str | None,
+                     exact: bool = False) -> tuple[QuantPolicy, str]:
+        """How quantized checkpoint weights run at `dtype`, and why (for the log). `exact`: float32
+        asked for by name, the exact reference mode, which dequantizes unless quantization="gguf".
 
         The base platform has no quantized kernels: weights are dequantized.
         """

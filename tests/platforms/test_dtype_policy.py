@@ -37,18 +37,24 @@ def test_the_machine_flags_are_read_by_default():
     assert platform.supports_native_bf16() == bool({"avx512_bf16", "amx_bf16"} & platform.flags)
 
 
-@pytest.mark.parametrize("flags,dtype,quantization,int4_rows,dense", [
-    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, torch.bfloat16, "auto", 4, True),  # Sapphire Rapids
-    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, "auto", 4, True),  # Zen 4: a packed dense copy
-    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, "gguf", 4, False),  # no dense copy asked
-    ({"avx2", "fma"}, torch.float32, "auto", 0, False),  # Zen 3: fp32, no fast int4 kernel for it
-    ({"avx2", "fma"}, torch.bfloat16, "auto", 8, True),  # bf16 by name: AVX2 int4 code, unpacked dense
-    (set(), torch.bfloat16, "auto", 0, False),  # no vector ISA known
-    ({"avx2", "avx512f", "avx512_bf16"}, torch.float32, "auto", 0, False),  # the exact reference mode
-    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, None, 0, False),  # quantization=None
+ZEN3 = {"avx2", "fma", "f16c"}
+
+
+@pytest.mark.parametrize("flags,dtype,exact,quantization,int4_rows,dense", [
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, torch.bfloat16, False, "auto", 4, True),  # Sapphire Rapids
+    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, False, "auto", 4, True),  # Zen 4: a packed dense copy
+    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, False, "gguf", 4, False),  # no dense copy asked
+    (ZEN3, torch.float32, False, "auto", 8, True),  # Zen 3's auto dtype: the block GEMV on fp32 activations
+    (ZEN3, torch.float32, True, "auto", 0, False),  # float32 by name: the exact reference mode
+    ({"avx2", "fma"}, torch.float32, False, "auto", 0, False),  # no block GEMV; torch's int4 kernel is bf16-only
+    ({"avx2", "fma"}, torch.bfloat16, False, "auto", 8, True),  # bf16 by name: torch's AVX2 int4 code
+    (set(), torch.bfloat16, False, "auto", 0, False),  # no vector ISA known
+    ({"avx2", "avx512f", "avx512_bf16"}, torch.float32, True, "auto", 0, False),  # the exact reference mode
+    (ZEN3, torch.float32, True, "gguf", 8, False),  # ... unless the GGUF's weights are asked to stay quantized
+    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, False, None, 0, False),  # quantization=None
 ])
-def test_quantized_kernels_follow_cpu_flags_and_dtype(flags, dtype, quantization, int4_rows, dense):
-    policy, why = CpuPlatform(frozenset(flags)).quant_policy(dtype, quantization)
+def test_quantized_kernels_follow_cpu_flags_and_dtype(flags, dtype, exact, quantization, int4_rows, dense):
+    policy, why = CpuPlatform(frozenset(flags)).quant_policy(dtype, quantization, exact=exact)
     assert policy.uses_int4 == bool(int4_rows) and (policy.dense_budget > 0) == dense
     assert policy.int4_max_rows == int4_rows or not int4_rows
     assert why
