@@ -17,14 +17,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent
-GGUF_GEMV_OPS = ("q4_gemv", "q8_gemv")  # torch.ops.mrv2_gguf.*
 
 
 @lru_cache(maxsize=1)
 def load_gguf_gemv() -> str | None:
-    """Build (once per machine) and load the GGUF block GEMVs; None when loaded, else why not."""
-    if all(hasattr(torch.ops.mrv2_gguf, op) for op in GGUF_GEMV_OPS):
-        return None
+    """Build (once per machine) and load the GGUF block GEMVs (`torch.ops.mrv2_gguf.q4_gemv`,
+    `q8_gemv`); None when loaded, else why not."""
     start = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load
@@ -33,7 +31,8 @@ def load_gguf_gemv() -> str | None:
         load(name="mrv2_gguf_gemv", sources=[str(_SOURCES / "gguf_gemv.cpp")], extra_cflags=["-O3", "-fopenmp"],
              extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the caller falls back
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        lines = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {lines[-1] if lines else ''}"
     _register_fakes()
     logger.info("GGUF block GEMV kernels loaded in %.1f s", time.perf_counter() - start)
     return None
