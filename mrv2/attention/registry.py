@@ -15,7 +15,7 @@ from mrv2.platforms import Platform
 
 # Modules whose import registers the built-in backends.
 _BUILTIN_MODULES = ("mrv2.attention.torch_paged", "mrv2.attention.torch_mla", "mrv2.attention.batch_invariant",
-                    "mrv2.attention.paged_decode")
+                    "mrv2.attention.paged_decode", "mrv2.attention.cpp_paged")
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 

@@ -17,8 +17,8 @@ Prompts are random token ids of a fixed length (seeded), generation is greedy wi
   async scheduling only the time blocked on sampled ids).
 - `--compare tp`: the same, between `--tensor-parallel-size N` (2 when not given) and one
   rank, with the same engine options otherwise.
-- `--compare attention`: the same, between the CPU's attention backends: `inductor-paged`
-  (decode attention compiled to read KV blocks in place, the default) and `torch` (blocks gathered).
+- `--compare attention`: the same, between the CPU's attention backends that read KV blocks in place
+  for decode: `cpp-paged` (mrv2's C++ kernel, the default) and `inductor-paged` (compiled by Inductor).
 - `--compare graphs`: the same, between the engine's graph settings (by default on the CPU,
   compiled pieces for the steps that run int4 weights) and `enforce_eager=True`.
 - `--structured json`: one engine, every request once unconstrained and once constrained to
@@ -52,9 +52,9 @@ BENCH_SCHEMA = {"type": "object", "required": ["items"], "additionalProperties":
 # mrv2 against itself with one option changed: (name, options) of the two engines, the first the ratio's numerator.
 SELF_PAIRS = {"async": lambda kwargs: [("async", {"async_scheduling": True}), ("serial", {"async_scheduling": False})],
               "tp": _tp_pair,
-              # decode attention reading KV blocks in place (the CPU's default) vs gathering them
-              "attention": lambda kwargs: [("inductor-paged", {"attention_backend": "inductor-paged"}),
-                                           ("torch", {"attention_backend": "torch"})],
+              # decode attention in place: mrv2's C++ kernel (the CPU's default) vs Inductor's
+              "attention": lambda kwargs: [("cpp-paged", {"attention_backend": "cpp-paged"}),
+                                           ("inductor-paged", {"attention_backend": "inductor-paged"})],
               "graphs": lambda kwargs: [("graphs", {}), ("eager", {"enforce_eager": True})]}
 
 

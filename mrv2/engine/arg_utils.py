@@ -42,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bitwise-identical logprobs for a request whatever batch it runs in (slower)")
     g.add_argument("--attention-backend", default=None,
                    help="an attention backend by name instead of the platform's choice "
-                        "(CPU: inductor-paged, the default, or torch)")
+                        "(CPU: cpp-paged, the default, inductor-paged or torch)")
     g.add_argument("--speculative-config", type=_json_dict, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

@@ -81,8 +81,9 @@ class LLM:
     prefix another request computed (vLLM's automatic prefix caching).
     `batch_invariant` makes each request's logprobs bitwise identical whatever batch,
     chunking or cache state it runs in, slower (see `ModelConfig`). `attention_backend`
-    names the attention backend instead of the platform's choice ("inductor-paged", decode
-    attention compiled to read KV blocks in place, and "torch", gathering them, for GQA on the CPU).
+    names the attention backend instead of the platform's choice (for GQA on the CPU: "cpp-paged",
+    decode attention through mrv2's C++ kernel reading KV blocks in place, the default; "inductor-paged",
+    the same compiled by Inductor; "torch", gathering the blocks).
     `speculative_config` ({"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_min": 1, "prompt_lookup_max": 4}) verifies up to k drafted tokens per
     request and step in one forward; outputs equal those without it (see `SpeculativeConfig`).

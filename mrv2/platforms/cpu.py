@@ -10,7 +10,7 @@ from types import MappingProxyType
 import torch
 
 from mrv2.config import GiB, GraphConfig, GraphMode, QuantPolicy
-from mrv2.platforms.cpu_kernels import load_gguf_gemv
+from mrv2.platforms.cpu_kernels import load_cpu_kernels
 from mrv2.platforms.device_queue import DeviceQueue, InlineQueue, WorkerThreadQueue
 from mrv2.platforms.graphs import CompiledGraphBackend, EagerGraphBackend, GraphBackend
 from mrv2.platforms.interface import Platform
@@ -62,12 +62,20 @@ class CpuPlatform(Platform):
     ranks_share_memory = True
     # Tensors live in host RAM already; the exchange needs x86's store ordering.
     shm_collectives = platform.machine() in ("x86_64", "AMD64")
-    # Decode attention compiled by Inductor reads KV blocks in place (`mrv2.attention.paged_decode`:
-    # 2-3x the gather + SDPA path per layer); the gather path where no C++ compiler is found.
-    attention_backends = MappingProxyType({"gqa": ("inductor-paged", "torch"), "mla": ("torch-mla",)})
+    # Decode attention reads KV blocks in place: through mrv2's C++ kernel (`cpu_kernels/
+    # paged_attention.cpp`, 2.6-7x the Inductor-compiled one per layer) where it loads, else
+    # compiled by Inductor (`mrv2.attention.paged_decode`: 2-3x the gather + SDPA path); the gather
+    # path where no C++ compiler is found.
+    attention_backends = MappingProxyType({"gqa": ("cpp-paged", "inductor-paged", "torch"), "mla": ("torch-mla",)})
 
     def is_available(self) -> bool:
         return True
+
+    def attention_backend_names(self, kind: str) -> tuple[str, ...]:
+        names = super().attention_backend_names(kind)
+        if "cpp-paged" in names and (not self.gemv_isa() or load_cpu_kernels() is not None):
+            return tuple(n for n in names if n != "cpp-paged")  # the kernel needs AVX2, FMA, F16C and a compiler
+        return names
 
     # Async scheduling stays on (the platform default): with the host thread on one intra-op
     # thread and the worker on every core, `mrv2 bench throughput --compare async --batch-sizes
@@ -107,7 +115,7 @@ class CpuPlatform(Platform):
         dense = ("dense GEMMs above when a copy fits a quarter of free memory" if budget else
                  "and above (quantization='gguf': no dense copy)")
         isa = self.gemv_isa()
-        failed = load_gguf_gemv() if isa else "the CPU lacks AVX2, FMA or F16C"
+        failed = load_cpu_kernels() if isa else "the CPU lacks AVX2, FMA or F16C"
         if failed is None:
             return QuantPolicy(rows, budget, isa), (
                 f"mrv2's GGUF block GEMV ({GEMV_ISAS[isa]}) for up to {rows} rows (faster than dense GEMMs there), "
@@ -131,7 +139,7 @@ class CpuPlatform(Platform):
         return 2 if {"avx512_vnni", "avx512vl", "avx512bw"} <= self.flags else 1
 
     def load_quant_kernels(self, policy: QuantPolicy) -> None:
-        if policy.gemv_isa and (failed := load_gguf_gemv()) is not None:
+        if policy.gemv_isa and (failed := load_cpu_kernels()) is not None:
             raise RuntimeError(f"the GGUF block GEMV kernels did not load in this process: {failed}")
 
     # Dense bf16 GEMMs on weights prepacked for oneDNN against `F.linear` (2 cores, Sapphire

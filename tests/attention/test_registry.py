@@ -7,18 +7,19 @@ import torch
 
 from mrv2.attention import AttentionBackend, get_attention_backend, registered_backends
 from mrv2.attention import paged_decode, registry
+from mrv2.attention.cpp_paged import CppPagedAttention
 from mrv2.attention.paged_decode import InductorPagedAttention
 from mrv2.attention.torch_mla import TorchMLAAttention
 from mrv2.attention.torch_paged import TorchPagedAttention
 from mrv2.kv_spec import KVCacheSpec, KVPart
-from mrv2.platforms import CpuPlatform, CudaPlatform, NpuPlatform
+from mrv2.platforms import CpuPlatform, CudaPlatform, NpuPlatform, cpu
 from mrv2.runner.kv_cache import allocate_kv_cache
 
 PLATFORMS = [CpuPlatform, CudaPlatform, NpuPlatform]  # constructing one needs no device
 
 
 @pytest.mark.parametrize("platform_cls, kind, expected", [
-    (CpuPlatform, "gqa", InductorPagedAttention), (CpuPlatform, "mla", TorchMLAAttention),
+    (CpuPlatform, "gqa", CppPagedAttention), (CpuPlatform, "mla", TorchMLAAttention),
     (CudaPlatform, "gqa", TorchPagedAttention), (CudaPlatform, "mla", TorchMLAAttention),
     (NpuPlatform, "gqa", TorchPagedAttention), (NpuPlatform, "mla", TorchMLAAttention)])
 def test_each_platform_chooses_its_backends(platform_cls, kind, expected):
@@ -27,6 +28,8 @@ def test_each_platform_chooses_its_backends(platform_cls, kind, expected):
 
 
 def test_the_cpu_falls_back_to_gathering_without_a_compiler(monkeypatch):
+    monkeypatch.setattr(cpu, "load_cpu_kernels", lambda: "RuntimeError: no C++ compiler")
+    assert type(get_attention_backend(CpuPlatform(), "gqa")) is InductorPagedAttention
     monkeypatch.setattr(paged_decode.shutil, "which", lambda name: None)
     assert type(get_attention_backend(CpuPlatform(), "gqa")) is TorchPagedAttention
 
@@ -77,7 +80,7 @@ def fakes(monkeypatch):
 def test_the_platform_prefers_the_first_registered_available_backend(fakes):
     assert type(get_attention_backend(_Preferring(), "gqa")) is _Fast
     assert type(get_attention_backend(_Preferring(), "mla")) is TorchMLAAttention
-    assert type(get_attention_backend(CpuPlatform(), "gqa")) is InductorPagedAttention
+    assert type(get_attention_backend(CpuPlatform(), "gqa")) is CppPagedAttention
 
 
 def test_no_available_backend_says_what_was_tried(fakes):

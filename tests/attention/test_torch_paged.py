@@ -1,7 +1,8 @@
 """The torch paged-attention backends against dense per-request attention in float64.
 
 `TorchPagedAttention` gathers blocks for every row; `InductorPagedAttention` runs decode rows
-through its compiled in-place kernel (warmed up as an engine does) and prefills as the former.
+through its compiled in-place kernel (warmed up as an engine does) and prefills as the former;
+`CppPagedAttention` runs them through the CPU platform's C++ kernel.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import pytest
 import torch
 
 from mrv2.attention.backend import CommonAttentionMetadata
+from mrv2.attention.cpp_paged import CppPagedAttention
 from mrv2.attention.paged_decode import InductorPagedAttention, PagedDecode
 from mrv2.attention.torch_paged import TorchPagedAttention
 from mrv2.engine.scheduler_output import NewRequestData
 from mrv2.kv_spec import KVCacheSpec, LayerKVCache
+from mrv2.platforms.cpu import CpuPlatform
 from mrv2.runner.block_table import BlockTables
 from mrv2.runner.input_batch import InputBuffers
 from mrv2.runner.kv_cache import allocate_kv_cache, kv_cache_bytes
@@ -38,7 +41,7 @@ SCENARIOS = {
     "long_and_short": [(3, 1), (0, 60), (48, 4), (50, 2), (47, 5), (0, 3)],
 }
 HEADS = {"gqa": (8, 2), "mha": (4, 4)}
-BACKENDS = {"torch": TorchPagedAttention, "inductor": InductorPagedAttention}
+BACKENDS = {"torch": TorchPagedAttention, "inductor": InductorPagedAttention, "cpp": CppPagedAttention}
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +53,8 @@ def _room_for_every_compiled_variant():
 
 
 def new_backend(name: str, heads, cache: LayerKVCache, scale: float):
+    if name == "cpp" and "cpp-paged" not in CpuPlatform().attention_backend_names("gqa"):  # loads the kernel
+        pytest.skip("mrv2's CPU kernels need AVX2, FMA, F16C and a C++ compiler")
     backend = BACKENDS[name]()
     backend.warm_up(heads[0], scale, cache)
     return backend

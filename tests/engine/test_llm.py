@@ -67,11 +67,13 @@ def test_chunked_prefill_gives_same_tokens(prompt_ids, hf_greedy):
     assert llm.engine.scheduler.block_pool.is_whole()
 
 
-def test_both_cpu_attention_backends_give_transformers_tokens(default_llm, prompt_ids, hf_greedy):
-    # The default (in `default_llm`) reads KV blocks in place; "torch" gathers them.
-    assert default_llm.engine.runner.attn_backend.name == "inductor-paged"
-    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory=32 << 20, attention_backend="torch")
-    assert llm.engine.runner.attn_backend.name == "torch"
+@pytest.mark.parametrize("backend", ["inductor-paged", "torch"])
+def test_every_cpu_attention_backend_gives_transformers_tokens(default_llm, prompt_ids, hf_greedy, backend):
+    # The default (in `default_llm`) reads KV blocks in place through mrv2's C++ kernel;
+    # "inductor-paged" through Inductor's code; "torch" gathers them.
+    assert default_llm.engine.runner.attn_backend.name == "cpp-paged"
+    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory=32 << 20, attention_backend=backend)
+    assert llm.engine.runner.attn_backend.name == backend
     assert _tokens(llm.generate(_as_inputs(prompt_ids), GREEDY_32)) == hf_greedy
 
 

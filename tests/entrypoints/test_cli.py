@@ -197,7 +197,7 @@ def test_bench_latency_reports_ttft_and_tpot(tmp_path: Path):
     assert len(result["runs"]) == 2 and result["ttft_s"] > 0 and result["tpot_s"] > 0
 
 
-@pytest.mark.parametrize("pair, first, second", [("tp", "tp2", "tp1"), ("attention", "inductor-paged", "torch"),
+@pytest.mark.parametrize("pair, first, second", [("tp", "tp2", "tp1"), ("attention", "cpp-paged", "inductor-paged"),
                                                     ("graphs", "graphs", "eager")])
 def test_bench_throughput_compares_mrv2_with_one_option_changed(tmp_path: Path, tiny_checkpoint, pair, first, second):
     out = tmp_path / "bench.json"

@@ -9,7 +9,7 @@ import torch
 from mrv2.config import QuantPolicy
 from mrv2.layers.quantization import BlockGemv, Int4Matmul, QuantizedWeight, block_gemv_supports, quantized_matmul
 from mrv2.platforms.cpu import GEMV_ISAS, CpuPlatform
-from mrv2.platforms.cpu_kernels import load_gguf_gemv
+from mrv2.platforms.cpu_kernels import load_cpu_kernels
 from quant_helpers import quantized
 
 MACHINE_ISA = CpuPlatform().gemv_isa()
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not ISAS, reason="the block GEMV needs AVX2, FMA
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    failed = load_gguf_gemv()
+    failed = load_cpu_kernels()
     assert failed is None, failed
 
 

@@ -20,26 +20,28 @@ _SOURCES = Path(__file__).parent
 
 
 @lru_cache(maxsize=1)
-def load_gguf_gemv() -> str | None:
-    """Build (once per machine) and load the GGUF block GEMVs (`torch.ops.mrv2_gguf.q4_gemv`,
-    `q8_gemv`); None when loaded, else why not."""
+def load_cpu_kernels() -> str | None:
+    """Build (once per machine) and load the kernels: the GGUF block GEMVs (`torch.ops.mrv2_gguf.q4_gemv`,
+    `q8_gemv`) and paged decode attention (`torch.ops.mrv2.paged_decode_attention`); None when
+    loaded, else why not. They need AVX2, FMA and F16C (the caller checks the CPU's flags)."""
     start = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load
         # -fopenmp: at::parallel_for splits rows over torch's OpenMP threads (its own libgomp,
         # already loaded, serves the calls).
-        load(name="mrv2_gguf_gemv", sources=[str(_SOURCES / "gguf_gemv.cpp")], extra_cflags=["-O3", "-fopenmp"],
+        load(name="mrv2_cpu_kernels", sources=[str(_SOURCES / f) for f in ("gguf_gemv.cpp", "paged_attention.cpp")],
+             extra_cflags=["-O3", "-fopenmp"],
              extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the caller falls back
         lines = str(e).strip().splitlines()
         return f"{type(e).__name__}: {lines[-1] if lines else ''}"
     _register_fakes()
-    logger.info("GGUF block GEMV kernels loaded in %.1f s", time.perf_counter() - start)
+    logger.info("CPU kernels (GGUF block GEMV, paged decode attention) loaded in %.1f s", time.perf_counter() - start)
     return None
 
 
 def _register_fakes() -> None:
-    """Output shapes for tracing (torch.compile): [rows, out_features] in x's dtype."""
+    """Output shapes for tracing (torch.compile), in the input's dtype."""
     @torch.library.register_fake("mrv2_gguf::q4_gemv")
     def _q4(x, codes, scales, mins, isa):
         return x.new_empty(x.shape[0], codes.shape[0])
@@ -47,3 +49,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("mrv2_gguf::q8_gemv")
     def _q8(x, codes, scales, isa):
         return x.new_empty(x.shape[0], codes.shape[0])
+
+    @torch.library.register_fake("mrv2::paged_decode_attention")
+    def _attention(query, k_cache, v_cache, block_table, seq_lens, scale):
+        return query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])

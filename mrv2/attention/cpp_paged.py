@@ -1,0 +1,56 @@
+"""Decode attention through a compiled C++ kernel that reads KV blocks in place.
+
+`torch.ops.mrv2.paged_decode_attention` (a platform's kernel: the CPU builds it with its
+other kernels, `mrv2.platforms.cpu_kernels`) computes what `paged_decode_attention` in
+`mrv2.attention.paged_decode` defines: one query token per request over its cached
+tokens, fp32 scores and softmax, each key and value loaded from its block. Prefill groups
+stay on the gather + SDPA path of `TorchPagedAttention`.
+
+One layer of the default model (9 query / 3 KV heads of 64) on a 2 vCPU Zen 4, this
+kernel against the Inductor-compiled one: 22 vs 58 us at batch 1 and 160 keys (fp32),
+0.5 vs 3.7 ms at batch 64 (fp32), 0.6 vs 2.7 ms (bf16); 64 rows of up to 1,100 keys:
+10 vs 16-23 ms. The kernel needs nothing compiled per shape, so nothing warms up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mrv2.attention.backend import CommonAttentionMetadata
+from mrv2.attention.registry import register_backend
+from mrv2.attention.torch_paged import TorchPagedAttention
+from mrv2.kv_spec import LayerKVCache
+
+def kernel_loaded() -> bool:
+    """Whether a platform loaded `torch.ops.mrv2.paged_decode_attention` into this process."""
+    return hasattr(torch.ops.mrv2, "paged_decode_attention")
+
+
+@dataclass
+class DecodeRows:
+    """The decode rows' block table and lengths (views of the step's metadata)."""
+
+    block_table: torch.Tensor  # [R, max_blocks] int32
+    seq_lens: torch.Tensor  # [R] int32; a padded row (0) gets zeros
+    num_rows: int
+
+
+@register_backend
+class CppPagedAttention(TorchPagedAttention):
+    """Decode rows through the platform's C++ kernel; prefill groups as in `TorchPagedAttention`."""
+
+    name = "cpp-paged"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return kernel_loaded()
+
+    def _decode_metadata(self, common: CommonAttentionMetadata) -> DecodeRows:
+        nd = common.num_decodes
+        return DecodeRows(common.block_table[:nd], common.seq_lens[:nd], nd)
+
+    def _decode(self, query: torch.Tensor, cache: LayerKVCache, g: DecodeRows, scale: float) -> torch.Tensor:
+        return torch.ops.mrv2.paged_decode_attention(query[:g.num_rows], cache["k"], cache["v"], g.block_table,
+                                                     g.seq_lens, scale)

@@ -1,0 +1,199 @@
+// Decode attention over a paged KV cache, reading every key and value in its block (no gathered
+// copy): one query token per request, fp32 scores, softmax and sums, for x86 CPUs with AVX2 and FMA.
+//
+// A task is one request and one KV head: the query heads that share the head (grouped-query
+// attention) score each key while it is in cache, then sum the values weighted by their
+// softmax. Tasks are split over torch's intra-op threads where there is enough work; a single
+// short request runs on the calling thread, where a parallel region would cost more than it saves.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+// torch's vectorized exp (SLEEF, 1 ulp), exported by libtorch_cpu: what ATen's own softmax calls.
+extern "C" __m256 Sleef_expf8_u10(__m256);
+
+namespace {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// Strides (in elements) of a cache [num_blocks, block_size, kv_heads, dim] whose last dim is contiguous.
+struct CacheView {
+  int64_t block, token, head;
+};
+
+// Scores, softmax and weighted values of `g` query heads (rows of `q`, `d` values each, already
+// scaled) over the first `len` tokens of one KV head; `out` gets [g, dv]. `work` holds g * (len + dv) floats.
+template <typename T>
+void attend_head(const float* q, int64_t g, int64_t d, int64_t dv, const T* k, CacheView ks, const T* v, CacheView vs,
+                 const int32_t* table, int64_t block_size, int64_t len, float* out, float* work) {
+  float* scores = work;         // [g, len]
+  float* acc = work + g * len;  // [g, dv]
+  for (int64_t t = 0; t < len; ++t) {
+    const T* kp = k + table[t / block_size] * ks.block + (t % block_size) * ks.token;
+    for (int64_t h = 0; h < g; ++h) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= d; i += 16) {
+        a0 = _mm256_fmadd_ps(load8(q + h * d + i), load8(kp + i), a0);
+        a1 = _mm256_fmadd_ps(load8(q + h * d + i + 8), load8(kp + i + 8), a1);
+      }
+      if (i + 8 <= d) {
+        a0 = _mm256_fmadd_ps(load8(q + h * d + i), load8(kp + i), a0);
+        i += 8;
+      }
+      float tail = 0.0f;
+      for (; i < d; ++i) tail += q[h * d + i] * static_cast<float>(kp[i]);
+      scores[h * len + t] = hsum(_mm256_add_ps(a0, a1)) + tail;
+    }
+  }
+  std::vector<float> inv_sum(g);
+  for (int64_t h = 0; h < g; ++h) {
+    float* s = scores + h * len;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+    float m = hmax(mv);
+    for (; t < len; ++t) m = std::max(m, s[t]);
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    float sum = 0.0f;
+    for (t = 0; t + 8 <= len; t += 8) {
+      const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
+      _mm256_storeu_ps(s + t, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    for (; t < len; ++t) sum += (s[t] = std::exp(s[t] - m));
+    inv_sum[h] = 1.0f / (sum + hsum(sv));
+  }
+  std::fill(acc, acc + g * dv, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* vp = v + table[t / block_size] * vs.block + (t % block_size) * vs.token;
+    for (int64_t h = 0; h < g; ++h) {
+      const __m256 w = _mm256_set1_ps(scores[h * len + t]);
+      float* o = acc + h * dv;
+      int64_t i = 0;
+      for (; i + 8 <= dv; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, load8(vp + i), load8(o + i)));
+      for (; i < dv; ++i) o[i] += scores[h * len + t] * static_cast<float>(vp[i]);
+    }
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    for (int64_t i = 0; i < dv; ++i) out[h * dv + i] = acc[h * dv + i] * inv_sum[h];
+  }
+}
+
+template <typename T>
+void decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  const int64_t rows = query.size(0), heads = query.size(1), d = query.size(2);
+  const int64_t kv_heads = k_cache.size(2), dv = v_cache.size(3), g = heads / kv_heads;
+  const int64_t block_size = k_cache.size(1);
+  const CacheView ks{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+  const CacheView vs{v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+  const T* qp = query.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tp = block_table.data_ptr<int32_t>();
+  const int32_t* lp = seq_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t q_row = query.stride(0), q_head = query.stride(1), t_row = block_table.stride(0);
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows; ++r) longest = std::max<int64_t>(longest, lp[r]);
+  TORCH_CHECK(longest <= block_table.size(1) * block_size, "a sequence of ", longest, " tokens overruns its ",
+              block_table.size(1), " blocks of ", block_size);
+  // About 16K key-heads a task group: one short request (a few thousand) stays on this thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, longest * g));
+  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(g * d), o(g * dv), work(g * (longest + dv));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, hk = task % kv_heads, len = lp[r];
+      T* dst = op + (r * heads + hk * g) * dv;
+      if (len <= 0) {  // a padded row: nothing to attend
+        std::fill(dst, dst + g * dv, T(0.0f));
+        continue;
+      }
+      for (int64_t h = 0; h < g; ++h) {
+        const T* src = qp + r * q_row + (hk * g + h) * q_head;
+        for (int64_t i = 0; i < d; ++i) q[h * d + i] = static_cast<float>(src[i]) * static_cast<float>(scale);
+      }
+      attend_head(q.data(), g, d, dv, kp + hk * ks.head, ks, vp + hk * vs.head, vs, tp + r * t_row, block_size, len,
+                  o.data(), work.data());
+      for (int64_t i = 0; i < g * dv; ++i) dst[i] = static_cast<T>(o[i]);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [rows, heads, dim] with a contiguous dim");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "k_cache and v_cache must be [num_blocks, block_size, kv_heads, dim] with a contiguous dim");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && query.scalar_type() == v_cache.scalar_type(),
+              "query, k_cache and v_cache must share a dtype");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "paged_decode_attention takes float32, bfloat16 or float16, got ", dtype);
+  const int64_t kv_heads = k_cache.size(2);
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == kv_heads,
+              "k_cache and v_cache must have the same blocks, block size and heads");
+  TORCH_CHECK(query.size(2) == k_cache.size(3), "query and keys must have the same head dim");
+  TORCH_CHECK(kv_heads > 0 && query.size(1) % kv_heads == 0, "query heads (", query.size(1),
+              ") must be a multiple of KV heads (", kv_heads, ")");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.stride(1) == 1 &&
+                  block_table.size(0) >= query.size(0),
+              "block_table must be int32 [rows, blocks] with contiguous rows");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.is_contiguous() &&
+                  seq_lens.size(0) >= query.size(0),
+              "seq_lens must be a contiguous int32 [rows]");
+  at::Tensor out = at::empty({query.size(0), query.size(1), v_cache.size(3)}, query.options());
+  if (dtype == at::kFloat) {
+    decode<float>(query, k_cache, v_cache, block_table, seq_lens, scale, out);
+  } else if (dtype == at::kBFloat16) {
+    decode<at::BFloat16>(query, k_cache, v_cache, block_table, seq_lens, scale, out);
+  } else {
+    decode<at::Half>(query, k_cache, v_cache, block_table, seq_lens, scale, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+TORCH_LIBRARY_FRAGMENT(mrv2, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mrv2, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

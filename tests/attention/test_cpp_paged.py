@@ -1,0 +1,93 @@
+"""mrv2's C++ paged decode attention kernel against the definition it implements.
+
+`paged_decode_attention` (eager: gathered blocks, fp32 softmax) is the reference; the whole
+backend against dense float64 attention over every scenario and layout is in test_torch_paged.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrv2.attention.cpp_paged import CppPagedAttention, kernel_loaded
+from mrv2.attention.paged_decode import paged_decode_attention
+from mrv2.platforms.cpu import CpuPlatform
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if "cpp-paged" not in CpuPlatform().attention_backend_names("gqa"):  # this loads it where it can
+        pytest.skip("mrv2's CPU kernels need AVX2, FMA, F16C and a C++ compiler")
+    assert kernel_loaded() and CppPagedAttention.is_available()
+
+
+def _case(rows: int, heads: int, kv_heads: int, dim: int, dim_v: int, block_size: int, max_len: int,
+          dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_row = -(-max_len // block_size) + 1
+    num_blocks = rows * blocks_per_row + 2
+    k = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(num_blocks, block_size, kv_heads, dim_v, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)[:rows * blocks_per_row].view(rows, blocks_per_row).int()
+    lens = torch.randint(1, max_len + 1, (rows,), generator=g).int()
+    lens[0] = max_len
+    q = torch.randn(rows, heads, dim, generator=g).to(dtype)
+    return q, k, v, table, lens
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("rows, heads, kv_heads, dim, dim_v, block_size, max_len", [
+    (1, 9, 3, 64, 64, 16, 160),  # the default model at batch 1
+    (64, 9, 3, 64, 64, 16, 97),  # at batch 64: split over the threads
+    (3, 8, 8, 128, 128, 4, 33),  # one query head per KV head
+    (5, 8, 2, 12, 20, 16, 40),  # head dims that are not multiples of the vector width, Dv != D
+    (2, 4, 1, 8, 8, 1, 7),  # one token per block
+])
+def test_the_kernel_computes_the_definition(dtype, tol, rows, heads, kv_heads, dim, dim_v, block_size, max_len):
+    q, k, v, table, lens = _case(rows, heads, kv_heads, dim, dim_v, block_size, max_len, dtype)
+    got = torch.ops.mrv2.paged_decode_attention(q, k, v, table, lens, dim ** -0.5)
+    want = paged_decode_attention(q, k, v, table, lens, dim ** -0.5)
+    assert got.dtype == dtype and got.shape == (rows, heads, dim_v)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_views_of_one_cache_and_strided_queries_read_the_right_values():
+    # The joint layout: K and V are views of one tensor; queries come out of a fused projection.
+    q, k, v, table, lens = _case(4, 8, 2, 16, 16, 16, 50, torch.float32)
+    joint = torch.cat([k, v], dim=-1)
+    qkv = torch.cat([q, torch.randn(4, 4, 16)], dim=1)
+    got = torch.ops.mrv2.paged_decode_attention(qkv[:, :8], joint[..., :16], joint[..., 16:], table, lens, 0.25)
+    torch.testing.assert_close(got, paged_decode_attention(q, k, v, table, lens, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_past_the_batch_and_padded_rows():
+    q, k, v, table, lens = _case(3, 4, 2, 16, 16, 4, 20, torch.float32)
+    lens[1] = 0  # a padded row attends nothing: zeros
+    longer_table = torch.cat([table, table], dim=0)  # the runner's tables hold every slot's row
+    got = torch.ops.mrv2.paged_decode_attention(q, k, v, longer_table, lens, 0.25)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    keep = [0, 2]
+    torch.testing.assert_close(got[keep], paged_decode_attention(q[keep], k, v, table[keep], lens[keep], 0.25))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(table=lambda t: t.long()), "block_table must be int32"),
+    (dict(lens=lambda s: s + 1000), "overruns its"),
+    (dict(q=lambda q: q.double(), k=lambda k: k.double(), v=lambda v: v.double()), "float32, bfloat16 or float16"),
+    (dict(q=lambda q: q[:, :3]), "must be a multiple of KV heads"),
+    (dict(v=lambda v: v.bfloat16()), "must share a dtype"),
+])
+def test_bad_operands_name_the_problem(change, match):
+    q, k, v, table, lens = _case(2, 4, 2, 16, 16, 4, 10, torch.float32)
+    q = change.get("q", lambda x: x)(q)
+    k = change.get("k", lambda x: x)(k)
+    v = change.get("v", lambda x: x)(v)
+    table = change.get("table", lambda x: x)(table)
+    lens = change.get("lens", lambda x: x)(lens)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.mrv2.paged_decode_attention(q, k, v, table, lens, 0.25)
+
+
+def test_a_cpu_without_avx2_keeps_inductors_kernel():
+    names = CpuPlatform(flags=frozenset({"sse4_2"})).attention_backend_names("gqa")
+    assert names[0] == "inductor-paged" and "cpp-paged" not in names
