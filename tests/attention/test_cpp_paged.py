@@ -88,6 +88,22 @@ def test_bad_operands_name_the_problem(change, match):
         torch.ops.mrv2.paged_decode_attention(q, k, v, table, lens, 0.25)
 
 
+def test_a_decode_step_writes_its_keys_and_values_then_attends():
+    q, k, v, table, lens = _case(3, 4, 2, 16, 16, 4, 20, torch.float32)
+    new_k, new_v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    slots = torch.stack([table[r, (n - 1) // 4].long() * 4 + (n - 1) % 4 for r, n in enumerate(lens.tolist())])
+    want_k, want_v = k.clone(), v.clone()
+    want_k.flatten(0, 1)[slots] = new_k
+    want_v.flatten(0, 1)[slots] = new_v
+    padded = torch.cat([q, torch.full((2, 4, 16), float("nan"))])  # graph padding rows: zeros out
+    got = torch.ops.mrv2.paged_decode_attention_with_kv(padded, new_k, new_v, k, v, slots, table, lens, 0.25)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    torch.testing.assert_close(got[:3], paged_decode_attention(q, k, v, table, lens, 0.25))
+    assert torch.equal(got[3:], torch.zeros(2, 4, 16))
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.mrv2.paged_decode_attention_with_kv(q, new_k, new_v, k, v, slots + 10 ** 6, table, lens, 0.25)
+
+
 def test_a_cpu_without_avx2_keeps_inductors_kernel():
     names = CpuPlatform(flags=frozenset({"sse4_2"})).attention_backend_names("gqa")
     assert names[0] == "inductor-paged" and "cpp-paged" not in names

@@ -190,8 +190,10 @@ def test_layouts_agree(scenario, block_size, backend):
 
 @pytest.mark.parametrize("layout", ["joint", "split"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_new_kv_written_at_slot_mapping_and_nowhere_else(layout, block_size):
-    case = make_case(SCENARIOS["mixed"], HEADS["gqa"], block_size, seed=4)
+@pytest.mark.parametrize("scenario, backend", [("mixed", "torch"), ("mixed", "cpp"), ("decode", "cpp")])
+def test_new_kv_written_at_slot_mapping_and_nowhere_else(layout, block_size, scenario, backend):
+    # cpp: a decode-only step writes its keys and values in its one kernel call per layer
+    case = make_case(SCENARIOS[scenario], HEADS["gqa"], block_size, seed=4)
     before = make_cache(case, HEADS["gqa"], layout, "finite")
     expected = {name: t.clone() for name, t in before.parts.items()}
     bs = block_size
@@ -199,7 +201,7 @@ def test_new_kv_written_at_slot_mapping_and_nowhere_else(layout, block_size):
         for p in range(computed, computed + n):
             expected["k"][blocks[p // bs], p % bs] = k[p]
             expected["v"][blocks[p // bs], p % bs] = v[p]
-    _, cache = run(case, HEADS["gqa"], layout)  # same seeds: same initial garbage as `before`
+    _, cache = run(case, HEADS["gqa"], layout, backend=backend)  # same seeds: same initial garbage as `before`
     for name in ("k", "v"):
         assert torch.equal(cache[name], expected[name]), name
 

@@ -22,7 +22,8 @@ _SOURCES = Path(__file__).parent
 @lru_cache(maxsize=1)
 def load_cpu_kernels() -> str | None:
     """Build (once per machine) and load the kernels: the GGUF block GEMVs (`torch.ops.mrv2_gguf.q4_gemv`,
-    `q8_gemv`) and paged decode attention (`torch.ops.mrv2.paged_decode_attention`); None when
+    `q8_gemv`) and paged decode attention (`torch.ops.mrv2.paged_decode_attention`, and
+    `paged_decode_attention_with_kv`, which first writes the step's keys and values); None when
     loaded, else why not. They need AVX2, FMA and F16C (the caller checks the CPU's flags)."""
     start = time.perf_counter()
     try:
@@ -52,4 +53,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("mrv2::paged_decode_attention")
     def _attention(query, k_cache, v_cache, block_table, seq_lens, scale):
+        return query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
+
+    @torch.library.register_fake("mrv2::paged_decode_attention_with_kv")
+    def _attention_with_kv(query, key, value, k_cache, v_cache, slot_mapping, block_table, seq_lens, scale):
         return query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])

@@ -1,10 +1,11 @@
 // Decode attention over a paged KV cache, reading every key and value in its block (no gathered
 // copy): one query token per request, fp32 scores, softmax and sums, for x86 CPUs with AVX2 and FMA.
 //
-// A task is one request and one KV head: the query heads that share the head (grouped-query
-// attention) score each key while it is in cache, then sum the values weighted by their
-// softmax. Tasks are split over torch's intra-op threads where there is enough work; a single
-// short request runs on the calling thread, where a parallel region would cost more than it saves.
+// A task is one request: every query head scores each cached token's keys (read once, the heads
+// that share a KV head in turn), then sums the values weighted by its softmax, with the tokens
+// ahead prefetched. Requests are split over torch's intra-op threads where there is enough work;
+// a single short request runs on the calling thread, where a parallel region would cost more
+// than it saves.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #pragma GCC push_options
@@ -53,33 +55,56 @@ struct CacheView {
   int64_t block, token, head;
 };
 
-// Scores, softmax and weighted values of `g` query heads (rows of `q`, `d` values each, already
-// scaled) over the first `len` tokens of one KV head; `out` gets [g, dv]. `work` holds g * (len + dv) floats.
+// Touches the cache lines of `elems` values from `p` ahead of their use: keys and values are
+// read a token (a few hundred bytes) at a time from blocks anywhere in memory, too little of a
+// stream for the hardware prefetchers, so without this each token waits on DRAM.
 template <typename T>
-void attend_head(const float* q, int64_t g, int64_t d, int64_t dv, const T* k, CacheView ks, const T* v, CacheView vs,
-                 const int32_t* table, int64_t block_size, int64_t len, float* out, float* work) {
-  float* scores = work;         // [g, len]
-  float* acc = work + g * len;  // [g, dv]
+inline void prefetch(const T* p, int64_t elems) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < elems * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+constexpr int64_t kAhead = 4;  // tokens prefetched ahead
+
+// Scores, softmax and weighted values of one request's query heads (`heads` rows of `q`, `d`
+// values each, already scaled; `g` per KV head) over its first `len` tokens; `out` gets
+// [heads, dv]. `work` holds heads * (len + dv) floats. A token's keys (or values) of every KV
+// head are read together: one short run of memory per token.
+template <typename T>
+void attend_request(const float* q, int64_t heads, int64_t g, int64_t d, int64_t dv, const T* k, CacheView ks,
+                    const T* v, CacheView vs, const int32_t* table, int64_t block_size, int64_t len, float* out,
+                    float* work) {
+  const int64_t kv_heads = heads / g;
+  float* scores = work;             // [heads, len]
+  float* acc = work + heads * len;  // [heads, dv]
+  auto key = [&](int64_t t) { return k + table[t / block_size] * ks.block + (t % block_size) * ks.token; };
+  auto value = [&](int64_t t) { return v + table[t / block_size] * vs.block + (t % block_size) * vs.token; };
+  const int64_t k_span = (kv_heads - 1) * ks.head + d, v_span = (kv_heads - 1) * vs.head + dv;
+  for (int64_t t = 0; t < std::min(kAhead, len); ++t) prefetch(key(t), k_span);
   for (int64_t t = 0; t < len; ++t) {
-    const T* kp = k + table[t / block_size] * ks.block + (t % block_size) * ks.token;
-    for (int64_t h = 0; h < g; ++h) {
+    if (t + kAhead < len) prefetch(key(t + kAhead), k_span);
+    const T* kt = key(t);
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* kp = kt + (h / g) * ks.head;
+      const float* qh = q + h * d;
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
       int64_t i = 0;
       for (; i + 16 <= d; i += 16) {
-        a0 = _mm256_fmadd_ps(load8(q + h * d + i), load8(kp + i), a0);
-        a1 = _mm256_fmadd_ps(load8(q + h * d + i + 8), load8(kp + i + 8), a1);
+        a0 = _mm256_fmadd_ps(load8(qh + i), load8(kp + i), a0);
+        a1 = _mm256_fmadd_ps(load8(qh + i + 8), load8(kp + i + 8), a1);
       }
       if (i + 8 <= d) {
-        a0 = _mm256_fmadd_ps(load8(q + h * d + i), load8(kp + i), a0);
+        a0 = _mm256_fmadd_ps(load8(qh + i), load8(kp + i), a0);
         i += 8;
       }
       float tail = 0.0f;
-      for (; i < d; ++i) tail += q[h * d + i] * static_cast<float>(kp[i]);
+      for (; i < d; ++i) tail += qh[i] * static_cast<float>(kp[i]);
       scores[h * len + t] = hsum(_mm256_add_ps(a0, a1)) + tail;
     }
   }
-  std::vector<float> inv_sum(g);
-  for (int64_t h = 0; h < g; ++h) {
+  for (int64_t t = 0; t < std::min(kAhead, len); ++t) prefetch(value(t), v_span);
+  std::vector<float> inv_sum(heads);
+  for (int64_t h = 0; h < heads; ++h) {
     float* s = scores + h * len;
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t t = 0;
@@ -97,10 +122,12 @@ void attend_head(const float* q, int64_t g, int64_t d, int64_t dv, const T* k, C
     for (; t < len; ++t) sum += (s[t] = std::exp(s[t] - m));
     inv_sum[h] = 1.0f / (sum + hsum(sv));
   }
-  std::fill(acc, acc + g * dv, 0.0f);
+  std::fill(acc, acc + heads * dv, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
-    const T* vp = v + table[t / block_size] * vs.block + (t % block_size) * vs.token;
-    for (int64_t h = 0; h < g; ++h) {
+    if (t + kAhead < len) prefetch(value(t + kAhead), v_span);
+    const T* vt = value(t);
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* vp = vt + (h / g) * vs.head;
       const __m256 w = _mm256_set1_ps(scores[h * len + t]);
       float* o = acc + h * dv;
       int64_t i = 0;
@@ -108,15 +135,15 @@ void attend_head(const float* q, int64_t g, int64_t d, int64_t dv, const T* k, C
       for (; i < dv; ++i) o[i] += scores[h * len + t] * static_cast<float>(vp[i]);
     }
   }
-  for (int64_t h = 0; h < g; ++h) {
+  for (int64_t h = 0; h < heads; ++h) {
     for (int64_t i = 0; i < dv; ++i) out[h * dv + i] = acc[h * dv + i] * inv_sum[h];
   }
 }
 
 template <typename T>
 void decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  const int64_t rows = query.size(0), heads = query.size(1), d = query.size(2);
+            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t rows, at::Tensor& out) {
+  const int64_t heads = query.size(1), d = query.size(2);
   const int64_t kv_heads = k_cache.size(2), dv = v_cache.size(3), g = heads / kv_heads;
   const int64_t block_size = k_cache.size(1);
   const CacheView ks{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
@@ -132,30 +159,30 @@ void decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   for (int64_t r = 0; r < rows; ++r) longest = std::max<int64_t>(longest, lp[r]);
   TORCH_CHECK(longest <= block_table.size(1) * block_size, "a sequence of ", longest, " tokens overruns its ",
               block_table.size(1), " blocks of ", block_size);
-  // About 16K key-heads a task group: one short request (a few thousand) stays on this thread.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, longest * g));
-  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(g * d), o(g * dv), work(g * (longest + dv));
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kv_heads, hk = task % kv_heads, len = lp[r];
-      T* dst = op + (r * heads + hk * g) * dv;
+  // A task is a request; about 16K key-heads a task group: one short request stays on this thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, longest * heads));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(heads * d), o(heads * dv), work(heads * (longest + dv));
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t len = lp[r];
+      T* dst = op + r * heads * dv;
       if (len <= 0) {  // a padded row: nothing to attend
-        std::fill(dst, dst + g * dv, T(0.0f));
+        std::fill(dst, dst + heads * dv, T(0.0f));
         continue;
       }
-      for (int64_t h = 0; h < g; ++h) {
-        const T* src = qp + r * q_row + (hk * g + h) * q_head;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* src = qp + r * q_row + h * q_head;
         for (int64_t i = 0; i < d; ++i) q[h * d + i] = static_cast<float>(src[i]) * static_cast<float>(scale);
       }
-      attend_head(q.data(), g, d, dv, kp + hk * ks.head, ks, vp + hk * vs.head, vs, tp + r * t_row, block_size, len,
-                  o.data(), work.data());
-      for (int64_t i = 0; i < g * dv; ++i) dst[i] = static_cast<T>(o[i]);
+      attend_request(q.data(), heads, g, d, dv, kp, ks, vp, vs, tp + r * t_row, block_size, len, o.data(),
+                     work.data());
+      for (int64_t i = 0; i < heads * dv; ++i) dst[i] = static_cast<T>(o[i]);
     }
   });
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+void check_operands(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t rows) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [rows, heads, dim] with a contiguous dim");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "k_cache and v_cache must be [num_blocks, block_size, kv_heads, dim] with a contiguous dim");
@@ -171,19 +198,73 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   TORCH_CHECK(kv_heads > 0 && query.size(1) % kv_heads == 0, "query heads (", query.size(1),
               ") must be a multiple of KV heads (", kv_heads, ")");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.stride(1) == 1 &&
-                  block_table.size(0) >= query.size(0),
+                  block_table.size(0) >= rows,
               "block_table must be int32 [rows, blocks] with contiguous rows");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.is_contiguous() &&
-                  seq_lens.size(0) >= query.size(0),
+                  seq_lens.size(0) >= rows,
               "seq_lens must be a contiguous int32 [rows]");
-  at::Tensor out = at::empty({query.size(0), query.size(1), v_cache.size(3)}, query.options());
+}
+
+void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t rows, at::Tensor& out) {
+  const auto dtype = query.scalar_type();
   if (dtype == at::kFloat) {
-    decode<float>(query, k_cache, v_cache, block_table, seq_lens, scale, out);
+    decode<float>(query, k_cache, v_cache, block_table, seq_lens, scale, rows, out);
   } else if (dtype == at::kBFloat16) {
-    decode<at::BFloat16>(query, k_cache, v_cache, block_table, seq_lens, scale, out);
+    decode<at::BFloat16>(query, k_cache, v_cache, block_table, seq_lens, scale, rows, out);
   } else {
-    decode<at::Half>(query, k_cache, v_cache, block_table, seq_lens, scale, out);
+    decode<at::Half>(query, k_cache, v_cache, block_table, seq_lens, scale, rows, out);
   }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+  check_operands(query, k_cache, v_cache, block_table, seq_lens, query.size(0));
+  at::Tensor out = at::empty({query.size(0), query.size(1), v_cache.size(3)}, query.options());
+  attend(query, k_cache, v_cache, block_table, seq_lens, scale, query.size(0), out);
+  return out;
+}
+
+// Copies row i of `src` ([tokens, heads, dim], dim contiguous) to token slot_mapping[i] of `cache`.
+void write_tokens(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t tokens) {
+  const int64_t block_size = cache.size(1), heads = cache.size(2), dim = cache.size(3);
+  const int64_t capacity = cache.size(0) * block_size, bytes = dim * src.element_size();
+  auto* dst = static_cast<char*>(cache.data_ptr());
+  const auto* from = static_cast<const char*>(src.data_ptr());
+  const int64_t es = src.element_size();
+  for (int64_t i = 0; i < tokens; ++i) {
+    const int64_t slot = slots[i];
+    TORCH_CHECK(slot >= 0 && slot < capacity, "slot ", slot, " is outside the cache's ", capacity, " slots");
+    const int64_t b = slot / block_size, t = slot % block_size;
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(dst + (b * cache.stride(0) + t * cache.stride(1) + h * cache.stride(2)) * es,
+                  from + (i * src.stride(0) + h * src.stride(1)) * es, bytes);
+    }
+  }
+}
+
+// A decode-only step's attention call: the new keys and values into their slots, then attention of
+// the first seq_lens.size(0) queries (one per request); further rows (graph padding) are zeros.
+at::Tensor paged_decode_attention_with_kv(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                          at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                                          const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+  const int64_t rows = seq_lens.size(0), tokens = slot_mapping.size(0);
+  TORCH_CHECK(rows <= query.size(0), "more requests (", rows, ") than queries (", query.size(0), ")");
+  check_operands(query, k_cache, v_cache, block_table, seq_lens, rows);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous(),
+              "slot_mapping must be a contiguous int64 [tokens]");
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(0) >= tokens && value.size(0) >= tokens &&
+                  key.sizes().slice(1) == k_cache.sizes().slice(2) && value.sizes().slice(1) == v_cache.sizes().slice(2) &&
+                  key.stride(2) == 1 && value.stride(2) == 1,
+              "key and value must be [tokens, kv_heads, dim] like the caches' tokens, with a contiguous dim");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "key and value must have the caches' dtype");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  write_tokens(key, k_cache, slots, tokens);
+  write_tokens(value, v_cache, slots, tokens);
+  at::Tensor out = at::empty({query.size(0), query.size(1), v_cache.size(3)}, query.options());
+  attend(query, k_cache, v_cache, block_table, seq_lens, scale, rows, out);
+  if (rows < query.size(0)) out.narrow(0, rows, query.size(0) - rows).zero_();
   return out;
 }
 
@@ -194,6 +275,11 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
 TORCH_LIBRARY_FRAGMENT(mrv2, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
         "float scale) -> Tensor");
+  m.def("paged_decode_attention_with_kv(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(mrv2, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(mrv2, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention_with_kv", &paged_decode_attention_with_kv);
+}
