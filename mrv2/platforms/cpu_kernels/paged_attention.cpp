@@ -77,8 +77,15 @@ void attend_request(const float* q, int64_t heads, int64_t g, int64_t d, int64_t
   const int64_t kv_heads = heads / g;
   float* scores = work;             // [heads, len]
   float* acc = work + heads * len;  // [heads, dv]
-  auto key = [&](int64_t t) { return k + table[t / block_size] * ks.block + (t % block_size) * ks.token; };
-  auto value = [&](int64_t t) { return v + table[t / block_size] * vs.block + (t % block_size) * vs.token; };
+  // Each token's keys and values (of KV head 0), found once: a division per token, not per head.
+  std::vector<const T*> keys(len), values(len);
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t b = table[t / block_size], i = t % block_size;
+    keys[t] = k + b * ks.block + i * ks.token;
+    values[t] = v + b * vs.block + i * vs.token;
+  }
+  auto key = [&](int64_t t) { return keys[t]; };
+  auto value = [&](int64_t t) { return values[t]; };
   const int64_t k_span = (kv_heads - 1) * ks.head + d, v_span = (kv_heads - 1) * vs.head + dv;
   for (int64_t t = 0; t < std::min(kAhead, len); ++t) prefetch(key(t), k_span);
   for (int64_t t = 0; t < len; ++t) {
@@ -122,17 +129,33 @@ void attend_request(const float* q, int64_t heads, int64_t g, int64_t d, int64_t
     for (; t < len; ++t) sum += (s[t] = std::exp(s[t] - m));
     inv_sum[h] = 1.0f / (sum + hsum(sv));
   }
-  std::fill(acc, acc + heads * dv, 0.0f);
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kAhead < len) prefetch(value(t + kAhead), v_span);
-    const T* vt = value(t);
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* vp = vt + (h / g) * vs.head;
-      const __m256 w = _mm256_set1_ps(scores[h * len + t]);
-      float* o = acc + h * dv;
-      int64_t i = 0;
-      for (; i + 8 <= dv; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, load8(vp + i), load8(o + i)));
-      for (; i < dv; ++i) o[i] += scores[h * len + t] * static_cast<float>(vp[i]);
+  // Weighted values, a head and 64 columns at a time in registers; the first pass brings the
+  // values into cache (prefetched ahead), the other heads read them from there.
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* p = scores + h * len;
+    const int64_t off = (h / g) * vs.head;
+    float* o = acc + h * dv;
+    int64_t c = 0;
+    for (; c + 64 <= dv; c += 64) {
+      __m256 a[8];
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+      for (int64_t t = 0; t < len; ++t) {
+        if (h == 0 && c == 0 && t + kAhead < len) prefetch(value(t + kAhead), v_span);
+        const T* vp = value(t) + off + c;
+        const __m256 w = _mm256_set1_ps(p[t]);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(w, load8(vp + 8 * j), a[j]);
+      }
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + c + 8 * j, a[j]);
+    }
+    for (; c + 8 <= dv; c += 8) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t t = 0; t < len; ++t) a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), load8(value(t) + off + c), a);
+      _mm256_storeu_ps(o + c, a);
+    }
+    for (; c < dv; ++c) {
+      float a = 0.0f;
+      for (int64_t t = 0; t < len; ++t) a += p[t] * static_cast<float>(value(t)[off + c]);
+      o[c] = a;
     }
   }
   for (int64_t h = 0; h < heads; ++h) {
