@@ -63,7 +63,7 @@ class CpuPlatform(Platform):
     # Tensors live in host RAM already; the exchange needs x86's store ordering.
     shm_collectives = platform.machine() in ("x86_64", "AMD64")
     # Decode attention reads KV blocks in place: through mrv2's C++ kernel (`cpu_kernels/
-    # paged_attention.cpp`, 2.6-7x the Inductor-compiled one per layer) where it loads, else
+    # paged_attention.cpp`, 2-2.6x the Inductor-compiled one per layer at batch 64) where it loads, else
     # compiled by Inductor (`mrv2.attention.paged_decode`: 2-3x the gather + SDPA path); the gather
     # path where no C++ compiler is found.
     attention_backends = MappingProxyType({"gqa": ("cpp-paged", "inductor-paged", "torch"), "mla": ("torch-mla",)})
