@@ -25,6 +25,7 @@ from mrv2.attention.registry import register_backend
 from mrv2.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
 from mrv2.kv_spec import LayerKVCache
 
+
 def kernel_loaded() -> bool:
     """Whether a platform loaded `torch.ops.mrv2.paged_decode_attention` into this process."""
     return hasattr(torch.ops.mrv2, "paged_decode_attention")
