@@ -73,6 +73,7 @@ def test_rows_past_the_batch_and_padded_rows():
 @pytest.mark.parametrize("change, match", [
     (dict(table=lambda t: t.long()), "block_table must be int32"),
     (dict(lens=lambda s: s + 1000), "overruns its"),
+    (dict(table=lambda t: t + 1000), "outside the cache's"),
     (dict(q=lambda q: q.double(), k=lambda k: k.double(), v=lambda v: v.double()), "float32, bfloat16 or float16"),
     (dict(q=lambda q: q[:, :3]), "must be a multiple of KV heads"),
     (dict(v=lambda v: v.bfloat16()), "must share a dtype"),

@@ -28,9 +28,10 @@ namespace {
 
 #include "vec8.inc"
 
-// Strides (in elements) of a cache [num_blocks, block_size, kv_heads, dim] whose last dim is contiguous.
+// Strides (in elements) of a cache [num_blocks, block_size, kv_heads, dim] whose last dim is
+// contiguous, and its block count.
 struct CacheView {
-  int64_t block, token, head;
+  int64_t block, token, head, blocks;
 };
 
 // Touches the cache lines of `elems` values from `p` ahead of their use: keys and values are
@@ -59,6 +60,7 @@ void attend_request(const float* q, int64_t heads, int64_t g, int64_t d, int64_t
   std::vector<const T*> keys(len), values(len);
   for (int64_t t = 0; t < len; ++t) {
     const int64_t b = table[t / block_size], i = t % block_size;
+    TORCH_CHECK(b >= 0 && b < ks.blocks, "block ", b, " is outside the cache's ", ks.blocks, " blocks");
     keys[t] = k + b * ks.block + i * ks.token;
     values[t] = v + b * vs.block + i * vs.token;
   }
@@ -147,8 +149,8 @@ void decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   const int64_t heads = query.size(1), d = query.size(2);
   const int64_t kv_heads = k_cache.size(2), dv = v_cache.size(3), g = heads / kv_heads;
   const int64_t block_size = k_cache.size(1);
-  const CacheView ks{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
-  const CacheView vs{v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+  const CacheView ks{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.size(0)};
+  const CacheView vs{v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.size(0)};
   const T* qp = query.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
