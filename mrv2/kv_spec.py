@@ -8,7 +8,7 @@ models declare `KVCacheSpec`s, the allocator (`mrv2.runner.kv_cache`) cuts one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,13 +53,31 @@ class LayerKVCache:
 
     With the joint layout, `joint` is the whole [num_blocks, block_size, width] tensor the
     parts are column slices of: gathering from it is contiguous, gathering a part is not.
+    `raw` is the byte allocation every layer's views are cut from, and `placement` says
+    where each part lies in it (`placement_in`): kernels that write the cache inside a
+    compiled graph take those, since torch.compile cannot trace writes to graph inputs that
+    alias one another, as the layers' views do.
     """
 
     parts: dict[str, torch.Tensor]
     joint: torch.Tensor | None = None
+    raw: torch.Tensor | None = None
+    placement: dict[str, list[int]] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.parts[name]
+
+
+def placement_in(raw: torch.Tensor, view: torch.Tensor) -> list[int]:
+    """Where a [num_blocks, block_size, heads, dim] view (dim contiguous) lies in the byte tensor `raw`:
+    [byte offset, its 4 sizes, its first 3 strides in elements]."""
+    if view.dim() != 4 or view.stride(3) != 1:
+        raise ValueError(f"a cache view must be 4-d with a contiguous last dim, got {tuple(view.shape)} "
+                         f"strides {view.stride()}")
+    offset = view.data_ptr() - raw.data_ptr()
+    if not 0 <= offset <= raw.numel() - view.element_size():
+        raise ValueError("the view does not lie in this allocation")
+    return [offset, *view.shape, *view.stride()[:3]]
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ other kernels, `mrv2.platforms.cpu_kernels`) computes what `paged_decode_attenti
 tokens, fp32 scores and softmax, each key and value loaded from its block. Prefill groups
 stay on the gather + SDPA path of `TorchPagedAttention`. A step of decodes only is one call
 per layer (`paged_decode_attention_with_kv`): the step's keys and values into their slots,
-then attention, without the separate cache writes and output copies of a mixed step.
+then attention, without the separate cache writes and output copies of a mixed step. That
+call takes the cache as the allocation every layer's views are cut from and the layer's place
+in it: the views alias one another, and torch.compile cannot trace writes to aliasing inputs.
 
 One layer of the default model (9 query / 3 KV heads of 64, bf16) on a 2 vCPU Zen 4, this
 kernel against the Inductor-compiled one over a joint cache of 20,000 blocks: 0.28 vs 0.64-0.73 ms
@@ -55,8 +57,9 @@ class CppPagedAttention(TorchPagedAttention):
         if metadata is None or metadata.prefills or metadata.decode is None:
             return super().forward(query, key, value, cache, metadata, scale)
         g = metadata.decode
-        return torch.ops.mrv2.paged_decode_attention_with_kv(query, key, value, cache["k"], cache["v"],
-                                                             metadata.slot_mapping, g.block_table, g.seq_lens, scale)
+        return torch.ops.mrv2.paged_decode_attention_with_kv(query, key, value, cache.raw, cache.placement["k"],
+                                                             cache.placement["v"], metadata.slot_mapping,
+                                                             g.block_table, g.seq_lens, scale)
 
     def _decode_metadata(self, common: CommonAttentionMetadata) -> DecodeRows:
         nd = common.num_decodes

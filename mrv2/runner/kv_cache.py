@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from mrv2.config import KVLayout
-from mrv2.kv_spec import KVCacheSpec, KVPartRegion, KVRegions, LayerKVCache
+from mrv2.kv_spec import KVCacheSpec, KVPartRegion, KVRegions, LayerKVCache, placement_in
 
 
 @dataclass
@@ -104,8 +104,8 @@ def allocate_kv_cache(specs: list[KVCacheSpec], layout: KVLayout, num_blocks: in
             for p in spec.parts:
                 views[p.name] = joint[:, :, col:col + p.width].unflatten(-1, (p.num_heads, p.head_dim))
                 col += p.width
-            layers.append(LayerKVCache(views, joint))
         else:
-            layers.append(LayerKVCache({p.name: c.view(num_blocks, block_size, p.num_heads, p.head_dim)
-                                        for p, c in zip(spec.parts, chunks)}))
+            views, joint = {p.name: c.view(num_blocks, block_size, p.num_heads, p.head_dim)
+                            for p, c in zip(spec.parts, chunks)}, None
+        layers.append(LayerKVCache(views, joint, raw, {name: placement_in(raw, v) for name, v in views.items()}))
     return KVCache(layers=layers, raw=raw, num_blocks=num_blocks, block_size=block_size, alignment=alignment)

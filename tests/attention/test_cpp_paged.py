@@ -11,6 +11,7 @@ import torch
 
 from mrv2.attention.cpp_paged import CppPagedAttention, kernel_loaded
 from mrv2.attention.paged_decode import paged_decode_attention
+from mrv2.kv_spec import placement_in
 from mrv2.platforms.cpu import CpuPlatform
 
 
@@ -89,20 +90,50 @@ def test_bad_operands_name_the_problem(change, match):
         torch.ops.mrv2.paged_decode_attention(q, k, v, table, lens, 0.25)
 
 
+def _in_one_allocation(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K and V copied side by side per token into one byte allocation, as the joint layout cuts them:
+    (the allocation, the K view, the V view)."""
+    joint = torch.cat([k, v], dim=-1)
+    raw = torch.zeros(joint.numel() * joint.element_size() + 64, dtype=torch.uint8)
+    cut = raw[64:].view(joint.dtype).view(joint.shape)  # an offset past 0: the placement carries it
+    cut.copy_(joint)
+    return raw, cut[..., :k.shape[-1]], cut[..., k.shape[-1]:]
+
+
 def test_a_decode_step_writes_its_keys_and_values_then_attends():
     q, k, v, table, lens = _case(3, 4, 2, 16, 16, 4, 20, torch.float32)
+    raw, k_view, v_view = _in_one_allocation(k, v)
     new_k, new_v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
     slots = torch.stack([table[r, (n - 1) // 4].long() * 4 + (n - 1) % 4 for r, n in enumerate(lens.tolist())])
     want_k, want_v = k.clone(), v.clone()
     want_k.flatten(0, 1)[slots] = new_k
     want_v.flatten(0, 1)[slots] = new_v
     padded = torch.cat([q, torch.full((2, 4, 16), float("nan"))])  # graph padding rows: zeros out
-    got = torch.ops.mrv2.paged_decode_attention_with_kv(padded, new_k, new_v, k, v, slots, table, lens, 0.25)
-    assert torch.equal(k, want_k) and torch.equal(v, want_v)
-    torch.testing.assert_close(got[:3], paged_decode_attention(q, k, v, table, lens, 0.25))
+    at_k, at_v = placement_in(raw, k_view), placement_in(raw, v_view)
+    got = torch.ops.mrv2.paged_decode_attention_with_kv(padded, new_k, new_v, raw, at_k, at_v, slots, table, lens, 0.25)
+    assert torch.equal(k_view, want_k) and torch.equal(v_view, want_v)
+    torch.testing.assert_close(got[:3], paged_decode_attention(q, want_k, want_v, table, lens, 0.25))
     assert torch.equal(got[3:], torch.zeros(2, 4, 16))
     with pytest.raises(RuntimeError, match="outside the cache"):
-        torch.ops.mrv2.paged_decode_attention_with_kv(q, new_k, new_v, k, v, slots + 10 ** 6, table, lens, 0.25)
+        torch.ops.mrv2.paged_decode_attention_with_kv(q, new_k, new_v, raw, at_k, at_v, slots + 10 ** 6, table, lens,
+                                                      0.25)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(raw=lambda r: r[:-8]), "reaches past the cache"),
+    (dict(raw=lambda r: r.view(torch.float32)), "contiguous uint8 allocation"),
+    (dict(k_view=lambda p: [p[0] + 2] + p[1:]), "not a multiple of 4"),
+    (dict(k_view=lambda p: p[:5]), "must be \\[byte offset"),
+])
+def test_a_bad_placement_in_the_allocation_names_the_problem(change, match):
+    q, k, v, table, lens = _case(2, 4, 2, 16, 16, 4, 10, torch.float32)
+    raw, k_view, v_view = _in_one_allocation(k, v)
+    args = dict(raw=raw, k_view=placement_in(raw, k_view), v_view=placement_in(raw, v_view))
+    args = {name: change.get(name, lambda x: x)(x) for name, x in args.items()}
+    slots = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.mrv2.paged_decode_attention_with_kv(q, k[:2, 0], v[:2, 0], args["raw"], args["k_view"],
+                                                      args["v_view"], slots, table, lens, 0.25)
 
 
 def test_a_cpu_without_avx2_keeps_inductors_kernel():

@@ -56,5 +56,5 @@ def _register_fakes() -> None:
         return query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
 
     @torch.library.register_fake("mrv2::paged_decode_attention_with_kv")
-    def _attention_with_kv(query, key, value, k_cache, v_cache, slot_mapping, block_table, seq_lens, scale):
-        return query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
+    def _attention_with_kv(query, key, value, kv_cache, k_view, v_view, slot_mapping, block_table, seq_lens, scale):
+        return query.new_empty(query.shape[0], query.shape[1], v_view[4])

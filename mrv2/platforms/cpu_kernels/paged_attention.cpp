@@ -246,11 +246,37 @@ void write_tokens(const at::Tensor& src, at::Tensor& cache, const int64_t* slots
   }
 }
 
+// Part `name` of a layer's cache as a tensor over `raw`, the byte allocation every layer's views are
+// cut from: `view` is [byte offset, num_blocks, block_size, heads, dim, block stride, token stride,
+// head stride] (strides in elements of `dtype`; the dim is contiguous).
+at::Tensor cache_view(const at::Tensor& raw, c10::IntArrayRef view, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(view.size() == 8, name, " must be [byte offset, 4 sizes, 3 strides], got ", view.size(), " values");
+  const int64_t es = c10::elementSize(dtype), offset = view[0];
+  TORCH_CHECK(offset >= 0 && offset % es == 0, name, "'s byte offset ", offset, " is not a multiple of ", es);
+  int64_t last = view[4] - 1;  // the last element's index past the offset
+  for (int i = 0; i < 3; ++i) {
+    TORCH_CHECK(view[1 + i] > 0 && view[5 + i] >= 0, name, " has an empty size or a negative stride");
+    last += (view[1 + i] - 1) * view[5 + i];
+  }
+  TORCH_CHECK(view[4] > 0 && offset + (last + 1) * es <= raw.numel(), name, " reaches past the cache's ",
+              raw.numel(), " bytes");
+  return at::from_blob(static_cast<uint8_t*>(raw.data_ptr()) + offset, {view[1], view[2], view[3], view[4]},
+                       {view[5], view[6], view[7], 1}, raw.options().dtype(dtype));
+}
+
 // A decode-only step's attention call: the new keys and values into their slots, then attention of
-// the first seq_lens.size(0) queries (one per request); further rows (graph padding) are zeros.
+// the first seq_lens.size(0) queries (one per request); further rows (graph padding) are zeros. The
+// caches are given as the allocation they are views of (`kv_cache`, uint8) and where each lies in it:
+// the one tensor every layer writes, where views would alias one another, which torch.compile cannot
+// trace writes to.
 at::Tensor paged_decode_attention_with_kv(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                                          at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
-                                          const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+                                          at::Tensor kv_cache, c10::IntArrayRef k_view, c10::IntArrayRef v_view,
+                                          const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                          const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(kv_cache.scalar_type() == at::kByte && kv_cache.dim() == 1 && kv_cache.is_contiguous(),
+              "kv_cache must be the contiguous uint8 allocation the layers' views are cut from");
+  at::Tensor k_cache = cache_view(kv_cache, k_view, query.scalar_type(), "k_view");
+  at::Tensor v_cache = cache_view(kv_cache, v_view, query.scalar_type(), "v_view");
   const int64_t rows = seq_lens.size(0), tokens = slot_mapping.size(0);
   TORCH_CHECK(rows <= query.size(0), "more requests (", rows, ") than queries (", query.size(0), ")");
   check_operands(query, k_cache, v_cache, block_table, seq_lens, rows);
@@ -260,8 +286,8 @@ at::Tensor paged_decode_attention_with_kv(const at::Tensor& query, const at::Ten
                   key.sizes().slice(1) == k_cache.sizes().slice(2) && value.sizes().slice(1) == v_cache.sizes().slice(2) &&
                   key.stride(2) == 1 && value.stride(2) == 1,
               "key and value must be [tokens, kv_heads, dim] like the caches' tokens, with a contiguous dim");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
-              "key and value must have the caches' dtype");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+              "key and value must have the query's dtype");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   write_tokens(key, k_cache, slots, tokens);
   write_tokens(value, v_cache, slots, tokens);
@@ -278,8 +304,8 @@ at::Tensor paged_decode_attention_with_kv(const at::Tensor& query, const at::Ten
 TORCH_LIBRARY_FRAGMENT(mrv2, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
         "float scale) -> Tensor");
-  m.def("paged_decode_attention_with_kv(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_decode_attention_with_kv(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
+        "int[] k_view, int[] v_view, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mrv2, CPU, m) {
