@@ -239,12 +239,15 @@ class GraphConfig:
     """Graph capture settings.
 
     `capture_sizes` count requests in FULL mode and tokens in PIECEWISE mode; None
-    means `default_capture_sizes(max_capture_size)`. A FULL graph attends over a
-    fixed number of keys per request, so FULL graphs are also captured per bucket of
-    the batch's longest sequence: `seq_len_buckets` (rounded up to whole blocks, capped
-    at max_model_len; None means `default_seq_len_buckets(max_model_len)`). `compile`
-    runs PIECEWISE pieces through torch.compile on devices without graph capture (the
-    CPU); None lets the platform choose (the CPU compiles them).
+    means `default_capture_sizes(max_capture_size)`. With FULL_AND_PIECEWISE,
+    `full_capture_sizes` (if given) are the sizes captured as FULL graphs, and
+    `capture_sizes` the PIECEWISE ones. A FULL graph attends over a fixed number of keys
+    per request (unless its attention backend reads each request's length on the device),
+    so FULL graphs are also captured per bucket of the batch's longest sequence:
+    `seq_len_buckets` (rounded up to whole blocks, capped at max_model_len; None means
+    `default_seq_len_buckets(max_model_len)`). `compile` runs graphs through torch.compile
+    on devices without graph capture (the CPU); None lets the platform choose (the CPU
+    compiles PIECEWISE pieces).
     """
 
     mode: GraphMode = GraphMode.FULL
@@ -255,6 +258,7 @@ class GraphConfig:
     # Tokens per request of the uniform decode steps FULL graphs hold: 1, or 1 + k when
     # every step verifies k draft tokens per request.
     decode_query_len: int = 1
+    full_capture_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, GraphMode):
@@ -263,17 +267,20 @@ class GraphConfig:
             raise ValueError(f"max_capture_size must be positive, got {self.max_capture_size}")
         if not isinstance(self.decode_query_len, int) or self.decode_query_len <= 0:
             raise ValueError(f"decode_query_len must be a positive integer, got {self.decode_query_len!r}")
-        if self.compile and self.mode not in (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE):
-            # FULL graphs build attention metadata from host arrays inside the captured callable.
-            raise ValueError(f"graph compile applies to piecewise graphs only, got mode {self.mode.value!r}")
-        if self.capture_sizes is not None:
-            sizes = self.capture_sizes
+        if self.compile and self.mode is GraphMode.NONE:
+            raise ValueError("graph compile needs graphs to compile, got mode 'none'")
+        if self.full_capture_sizes is not None and self.mode is not GraphMode.FULL_AND_PIECEWISE:
+            raise ValueError(f"full_capture_sizes applies to mode 'full_and_piecewise', got {self.mode.value!r}")
+        for name in ("capture_sizes", "full_capture_sizes"):
+            sizes = getattr(self, name)
+            if sizes is None:
+                continue
             if not isinstance(sizes, tuple) or not sizes:
-                raise ValueError(f"capture_sizes must be a non-empty tuple, got {sizes!r}")
+                raise ValueError(f"{name} must be a non-empty tuple, got {sizes!r}")
             if any(not isinstance(s, int) or s <= 0 for s in sizes):
-                raise ValueError(f"capture_sizes must be positive integers, got {sizes}")
+                raise ValueError(f"{name} must be positive integers, got {sizes}")
             if len(set(sizes)) != len(sizes):
-                raise ValueError(f"capture_sizes must be distinct, got {sizes}")
+                raise ValueError(f"{name} must be distinct, got {sizes}")
         buckets = self.seq_len_buckets
         if buckets is not None and (not isinstance(buckets, tuple) or not buckets
                                     or any(not isinstance(b, int) or b <= 0 for b in buckets)):
@@ -301,7 +308,9 @@ class GraphConfig:
             return []
         if self.mode is not GraphMode.FULL_AND_PIECEWISE:
             return [self]
-        return [replace(self, mode=GraphMode.FULL, compile=None), replace(self, mode=GraphMode.PIECEWISE)]
+        full_sizes = self.capture_sizes if self.full_capture_sizes is None else self.full_capture_sizes
+        return [replace(self, mode=GraphMode.FULL, capture_sizes=full_sizes, full_capture_sizes=None),
+                replace(self, mode=GraphMode.PIECEWISE, full_capture_sizes=None)]
 
 
 EXECUTOR_BACKENDS = ("mp", "ray")

@@ -60,6 +60,10 @@ class AttentionBackend(ABC):
     supported_layouts: tuple[KVLayout, ...] = ("joint", "split")
     # Whether a query's output is independent of the batch it runs in (selected by batch_invariant=True).
     batch_invariant: bool = False
+    # Whether a decode-only step's attention is one traceable op over device tensors that reads each
+    # request's length from `seq_lens`: one FULL graph then serves every sequence length (no key-length
+    # buckets), and torch.compile can hold the whole step where a platform compiles graphs.
+    compiled_decode_graphs: bool = False
 
     @classmethod
     def is_available(cls) -> bool:

@@ -8,7 +8,8 @@ stay on the gather + SDPA path of `TorchPagedAttention`. A step of decodes only 
 per layer (`paged_decode_attention_with_kv`): the step's keys and values into their slots,
 then attention, without the separate cache writes and output copies of a mixed step. That
 call takes the cache as the allocation every layer's views are cut from and the layer's place
-in it: the views alias one another, and torch.compile cannot trace writes to aliasing inputs.
+in it, so a compiled FULL graph can hold a whole decode step: the kernel reads each
+request's length from `seq_lens`, so one graph serves every sequence length.
 
 One layer of the default model (9 query / 3 KV heads of 64, bf16) on a 2 vCPU Zen 4, this
 kernel against the Inductor-compiled one over a joint cache of 20,000 blocks: 0.28 vs 0.64-0.73 ms
@@ -47,6 +48,7 @@ class CppPagedAttention(TorchPagedAttention):
     """Decode rows through the platform's C++ kernel; prefill groups as in `TorchPagedAttention`."""
 
     name = "cpp-paged"
+    compiled_decode_graphs = True
 
     @classmethod
     def is_available(cls) -> bool:

@@ -15,7 +15,7 @@ Prompt = str | dict[str, Any]
 
 
 def _graph_mode(name: str | None, compile: bool | None) -> GraphMode:
-    if name is None:  # other graph options given without a mode; compiling only applies to pieces
+    if name is None:  # other graph options given without a mode: compiling alone means compiled pieces
         return GraphMode.PIECEWISE if compile else GraphMode.FULL
     try:
         return GraphMode(name.lower())

@@ -221,11 +221,23 @@ class CpuPlatform(Platform):
     # the dense copy is packed, steps up to the packing's rows are compiled as well, in the
     # packed GEMMs' row buckets (a step pads to the bucket its GEMMs pad to anyway): at batch
     # 64 on a 2 vCPU Zen 4, in-process pairs of the default model (64 output tokens) ran
-    # 1.15x and 1.19x the eager steps' tok/s (medians of 7).
-    def default_graph_config(self, int4_rows: int = 0, packed_buckets: tuple[int, ...] = ()) -> GraphConfig:
+    # 1.15x and 1.19x the eager steps' tok/s (medians of 7). Where a decode step compiles whole
+    # (`compiled_decode`), decodes of up to the int4 rows run as one compiled FULL graph, without
+    # the Python between pieces and attention calls (see `full_decode_max_reqs`).
+    def default_graph_config(self, int4_rows: int = 0, packed_buckets: tuple[int, ...] = (),
+                             compiled_decode: bool = False) -> GraphConfig:
         if int4_rows < 1:
             # With no graph to save launch overhead, padded static shapes only cost: run eagerly.
             return GraphConfig(mode=GraphMode.NONE)
         sizes = [1 << i for i in range(int4_rows.bit_length())]
+        full = tuple(n for n in sizes if n <= self.full_decode_max_reqs)
         sizes += [n for n in packed_buckets if n > sizes[-1]]
+        if compiled_decode and full:
+            return GraphConfig(mode=GraphMode.FULL_AND_PIECEWISE, capture_sizes=tuple(sizes),
+                               full_capture_sizes=full, compile=True)
         return GraphConfig(mode=GraphMode.PIECEWISE, capture_sizes=tuple(sizes), compile=True)
+
+    # Decode steps of up to this many requests run as compiled FULL graphs by default: what
+    # they save is per-layer Python (a fixed cost a step), and each size compiles a graph of
+    # every layer at start-up.
+    full_decode_max_reqs = 4

@@ -147,12 +147,15 @@ class Platform(ABC):
         """How this device records and replays forwards for `config` (eager re-runs where it has no graphs)."""
         return EagerGraphBackend()
 
-    def default_graph_config(self, int4_rows: int = 0, packed_buckets: tuple[int, ...] = ()) -> GraphConfig:
+    def default_graph_config(self, int4_rows: int = 0, packed_buckets: tuple[int, ...] = (),
+                             compiled_decode: bool = False) -> GraphConfig:
         """Graph settings when the user gives none: FULL decode graphs where the device captures graphs.
 
         `int4_rows`: steps up to this many tokens run every linear layer through the int4
         kernel (0: some never do; `CausalLM.int4_rows`). `packed_buckets`: the row counts
         packed dense GEMMs run as, up to the rows they were packed for (empty: weights are plain).
+        `compiled_decode`: a decode step can be compiled whole (the attention backend's
+        `compiled_decode_graphs`, and nothing outside the model runs between its layers).
         """
         return GraphConfig(mode=GraphMode.FULL)
 

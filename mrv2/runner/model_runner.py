@@ -100,7 +100,11 @@ class ModelRunner:
                 logger.info("Dense weights of %d linear layers prepacked for oneDNN (batches of ~%d rows)",
                             packed, rows)
                 buckets = row_buckets(rows)
-        graph_config = config.graph_config(platform.default_graph_config(int4_rows, buckets))
+        # A whole decode step compiles where attention allows it and nothing else runs between its layers
+        # (a drafter's verify steps are not decodes; a KV connector is called around every layer).
+        compiled_decode = (self.attn_backend.compiled_decode_graphs and self.drafter is None
+                           and config.kv_transfer is None)
+        graph_config = config.graph_config(platform.default_graph_config(int4_rows, buckets, compiled_decode))
         graphs_on = not config.enforce_eager and graph_config.mode is not GraphMode.NONE
         self.model.eval()
         # Prefill/decode disaggregation: the model saves (and waits for loads) per attention call through it.

@@ -265,7 +265,7 @@ def test_unknown_model_path_names_the_path(tmp_path):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(graph_mode="sometimes"), "graph_mode"),
-    (dict(graph_mode="full", graph_compile=True), "piecewise"),
+    (dict(graph_mode="none", graph_compile=True), "compile"),
     (dict(graph_capture_sizes=[0]), "capture_sizes"),
 ])
 def test_bad_graph_options_raise(kwargs, match):

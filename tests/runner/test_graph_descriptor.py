@@ -23,7 +23,9 @@ def test_default_capture_sizes():
 @pytest.mark.parametrize("kwargs", [
     dict(mode="full"), dict(max_capture_size=0), dict(capture_sizes=()), dict(capture_sizes=[1, 2]),
     dict(capture_sizes=(1, 0)), dict(capture_sizes=(2, 2)), dict(capture_sizes=(1.5,)),
-    dict(mode=GraphMode.FULL, compile=True), dict(mode=GraphMode.NONE, compile=True),
+    dict(mode=GraphMode.NONE, compile=True), dict(mode=GraphMode.FULL, full_capture_sizes=(1,)),
+    dict(mode=GraphMode.FULL_AND_PIECEWISE, full_capture_sizes=()),
+    dict(mode=GraphMode.FULL_AND_PIECEWISE, full_capture_sizes=(2, 2)),
 ])
 def test_invalid_config_raises(kwargs):
     with pytest.raises(ValueError):
@@ -62,8 +64,13 @@ def test_single_modes():
     assert GraphConfig(mode=FULL).single_modes() == [GraphConfig(mode=FULL)]
     both = GraphConfig(mode=GraphMode.FULL_AND_PIECEWISE, capture_sizes=(1, 8), compile=True)
     full, pieces = both.single_modes()
-    assert (full.mode, full.capture_sizes, full.compile) == (FULL, (1, 8), None)  # FULL graphs are never compiled
+    assert (full.mode, full.capture_sizes, full.compile) == (FULL, (1, 8), True)
     assert (pieces.mode, pieces.capture_sizes, pieces.compile) == (PIECEWISE, (1, 8), True)
+    # FULL graphs of their own sizes.
+    full, pieces = GraphConfig(mode=GraphMode.FULL_AND_PIECEWISE, capture_sizes=(1, 8), full_capture_sizes=(1, 2)
+                               ).single_modes()
+    assert (full.capture_sizes, pieces.capture_sizes) == ((1, 2), (1, 8))
+    assert full.full_capture_sizes is None and pieces.full_capture_sizes is None
     with pytest.raises(ValueError, match="single_modes"):
         GraphDispatcher(both, max_num_reqs=8, max_num_tokens=8)
 

@@ -40,6 +40,12 @@ def test_cpu_default_is_eager_unless_small_steps_run_int4():
     config = cpu.default_graph_config(int4_rows=4, packed_buckets=row_buckets(64))
     assert config.capture_sizes == (1, 2, 4, 8, 16, 32, 48, 64)
     assert cpu.default_graph_config(packed_buckets=row_buckets(64)).mode is GraphMode.NONE
+    # Where a decode step compiles whole, decodes of up to 4 requests are compiled FULL graphs.
+    for rows in (4, 8):
+        config = cpu.default_graph_config(int4_rows=rows, packed_buckets=row_buckets(64), compiled_decode=True)
+        assert (config.mode, config.full_capture_sizes, config.compile) == (GraphMode.FULL_AND_PIECEWISE, (1, 2, 4), True)
+        assert config.capture_sizes == (1, 2, 4, 8, 16, 32, 48, 64)
+    assert cpu.default_graph_config(compiled_decode=True).mode is GraphMode.NONE
 
 
 @pytest.mark.parametrize("batch", [1, 3, 4, 5, 8, 12])  # hits (1, 4, 8), padded (3, 5), above the largest (12)
@@ -62,6 +68,32 @@ def test_padded_writes_leave_requests_intact(graphed):
     a = [o.outputs[0].token_ids for o in graphed.generate(PROMPTS[:3], params)]
     b = [o.outputs[0].token_ids for o in graphed.generate(PROMPTS[:3], params)]
     assert a == b
+
+
+@pytest.fixture(scope="module")
+def compiled_full():
+    llm = LLM(dtype="float32", max_model_len=256, max_num_seqs=16, kv_cache_memory=64 << 20, graph_mode="full",
+              graph_capture_sizes=[1, 4], graph_compile=True)
+    if not llm.engine.runner.attn_backend.compiled_decode_graphs:
+        pytest.skip("whole decode steps compile with mrv2's C++ decode attention (cpp-paged), not built here")
+    return llm
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])  # a hit, padded to 4, above the largest (eager)
+def test_compiled_full_graphs_give_eager_tokens(eager, compiled_full, batch):
+    """A decode step compiled whole: attention writes the cache in place (later steps read what it wrote)."""
+    graphs = compiled_full.engine.runner.graphs
+    # One graph per size: the kernel reads each request's length, so no key-length buckets.
+    assert [(d.num_reqs, d.max_seq_len) for d in graphs.descriptors] == [(4, 256), (1, 256)]
+    raw = compiled_full.engine.runner.kv_cache.raw
+    before = graphs.num_replays
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS[:batch], params)]
+    got = [o.outputs[0].token_ids for o in compiled_full.generate(PROMPTS[:batch], params)]
+    assert got == want
+    assert graphs.num_replays - before == (0 if batch > 4 else 11)
+    assert compiled_full.engine.runner.kv_cache.raw is raw
+    assert compiled_full.engine.scheduler.block_pool.is_whole()
 
 
 CHUNKED = dict(max_model_len=256, max_num_seqs=16, kv_cache_memory=64 << 20, max_num_batched_tokens=32)
@@ -117,8 +149,11 @@ def test_full_and_piecewise_replays_full_for_decodes_and_pieces_for_the_rest(eag
 
 
 def test_full_graphs_per_key_length_bucket(monkeypatch):
-    """max_model_len 512: FULL graphs for keys 256 and 512; decodes pick the bucket of their longest sequence."""
-    kwargs = dict(max_model_len=512, max_num_seqs=4, kv_cache_memory=64 << 20)
+    """max_model_len 512: FULL graphs for keys 256 and 512; decodes pick the bucket of their longest sequence.
+
+    With the gather + SDPA backend, whose decode attention reads a fixed number of keys (cpp-paged reads
+    each request's length: one graph per size, see test_compiled_full_graphs_give_eager_tokens)."""
+    kwargs = dict(max_model_len=512, max_num_seqs=4, kv_cache_memory=64 << 20, attention_backend="torch")
     eager = LLM(dtype="float32", **kwargs, enforce_eager=True)
     full = LLM(dtype="float32", **kwargs, graph_mode="full", graph_capture_sizes=[1, 2, 4])
     graphs = full.engine.runner.graphs

@@ -35,7 +35,7 @@ class DraftGraphs:
     def __init__(self, config: GraphConfig, graph_backend: Callable[[GraphConfig], GraphBackend], head: DraftHead,
                  attn_backend: AttentionBackend, buffers: DraftBuffers, max_num_reqs: int, max_model_len: int,
                  block_size: int, pool: Any = None, greedy: bool = True) -> None:
-        cfg = replace(config, mode=GraphMode.FULL, decode_query_len=1, compile=None)
+        cfg = replace(config, mode=GraphMode.FULL, decode_query_len=1, compile=None, full_capture_sizes=None)
         self.head, self.attn_backend, self.buffers, self.block_size = head, attn_backend, buffers, block_size
         self.greedy = greedy  # False: the passes return logits (probabilistic drafting draws outside)
         self.dispatcher = GraphDispatcher(cfg, max_num_reqs, max_num_reqs, decode_query_len=1,

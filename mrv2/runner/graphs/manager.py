@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -105,7 +106,7 @@ class WholeForward:
     forward: Callable[[BatchDescriptor, Any], Any]
 
     def record(self, graph_backend: GraphBackend, pool: Any, desc: BatchDescriptor, metadata: Any) -> Recording:
-        return _WholeRecording(graph_backend.capture(lambda: self.forward(desc, metadata), pool))
+        return _WholeRecording(graph_backend.capture(partial(self.forward, desc, metadata), pool))
 
 
 @dataclass

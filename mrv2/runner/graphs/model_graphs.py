@@ -4,7 +4,8 @@ FULL graphs of uniform decode steps hold the whole forward, attention metadata
 included: `build_metadata` runs inside the captured callable over the persistent
 buffers, sized by the descriptor's key length (static shapes: one graph per bucket of
 the longest sequence), so a replay recomputes masks and gather indices from whatever
-the step wrote into the buffers.
+the step wrote into the buffers. A backend whose decode attention reads each request's
+length on the device (`compiled_decode_graphs`) needs one graph for every length.
 
 PIECEWISE graphs hold the segments between attention calls, per padded token count;
 attention runs eagerly between them with the step's own metadata
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -52,8 +54,12 @@ class ModelGraphs:
         for cfg in single_modes:
             manager = self._manager(cfg.mode, graph_backend(cfg), pool)
             pool = manager.pool
-            # Attention in a FULL graph reads a fixed number of keys: one graph per key-length bucket.
-            keys = cfg.key_lengths(max_model_len, block_size) if cfg.mode is GraphMode.FULL else (0,)
+            # Attention in a FULL graph reads a fixed number of keys: one graph per key-length bucket,
+            # unless the backend reads each request's length from the buffers (one graph for all).
+            keys = (0,)
+            if cfg.mode is GraphMode.FULL:
+                keys = cfg.key_lengths(max_model_len, block_size)
+                keys = keys[-1:] if attn_backend.compiled_decode_graphs else keys
             q = cfg.decode_query_len if cfg.mode is GraphMode.FULL else 1
             self._tiers.append((GraphDispatcher(cfg, max_num_reqs, max_num_tokens, decode_query_len=q,
                                                 key_lengths=keys), manager))
@@ -61,8 +67,11 @@ class ModelGraphs:
 
     def _manager(self, mode: GraphMode, backend: GraphBackend, pool: Any) -> GraphManager:
         if mode is GraphMode.FULL:
+            # A plain function of its modules and buffers: a compiled graph backend then calls the code
+            # it made for a capture directly (`dynamo_entry`), not through dynamo's guards.
+            forward = partial(_full_forward, self.model, self.attn_backend, self.inputs)
             return GraphManager(backend, GraphInputs.of(self.inputs, _GRAPH_INPUTS), self._static_metadata,
-                                WholeForward(self._forward), [self.attn_backend], pool)
+                                WholeForward(forward), [self.attn_backend], pool)
         recorder = PiecewiseForward(self.model, self.inputs.input_ids, self.inputs.positions,
                                     self.attn_backend.build_metadata)
         return GraphManager(backend, GraphInputs.of(self.inputs, ("input_ids", "positions")), lambda desc: None,
@@ -113,6 +122,11 @@ class ModelGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        # A FULL graph attends through the KV cache's allocation; its size (the block count) stays out of
+        # what compiled code is specialized on, so engines with other cache sizes reuse it (on disk).
+        for layer in self.model.attention_layers():
+            if (raw := getattr(layer.kv_cache, "raw", None)) is not None:
+                torch._dynamo.maybe_mark_dynamic(raw, 0)
         for dispatcher, manager in self._tiers:
             manager.capture(dispatcher.descriptors)
 
@@ -148,7 +162,10 @@ class ModelGraphs:
             slot_mapping=buf.slot_mapping[:t], query_start_loc_cpu=np.arange(b + 1) * q,
             seq_lens_cpu=np.full(b, keys), block_size=self.block_size, static_shapes=True)
 
-    def _forward(self, desc: BatchDescriptor, common: CommonAttentionMetadata) -> torch.Tensor:
-        t = desc.num_tokens
-        metadata = self.attn_backend.build_metadata(common)  # inside the graph: replays recompute it
-        return self.model(self.inputs.input_ids[:t], self.inputs.positions[:t], metadata)
+
+
+def _full_forward(model: nn.Module, attn_backend: AttentionBackend, inputs: InputBuffers, desc: BatchDescriptor,
+                  common: CommonAttentionMetadata) -> torch.Tensor:
+    t = desc.num_tokens
+    metadata = attn_backend.build_metadata(common)  # inside the graph: replays recompute it
+    return model(inputs.input_ids[:t], inputs.positions[:t], metadata)
