@@ -209,7 +209,8 @@ class CpuPlatform(Platform):
 
     def graph_backend(self, config: GraphConfig) -> GraphBackend:
         # Piecewise on the CPU only pays compiled: uncompiled pieces are eager plus copies
-        # (`mrv2 bench decode` times both). FULL graphs hold host-side metadata: eager.
+        # (`mrv2 bench decode` times both). FULL graphs compile where asked (the default's whole
+        # decode steps do), else re-run eagerly.
         return CompiledGraphBackend() if self._compiles(config) else EagerGraphBackend()
 
     @staticmethod
@@ -222,8 +223,8 @@ class CpuPlatform(Platform):
     # packed GEMMs' row buckets (a step pads to the bucket its GEMMs pad to anyway): at batch
     # 64 on a 2 vCPU Zen 4, in-process pairs of the default model (64 output tokens) ran
     # 1.15x and 1.19x the eager steps' tok/s (medians of 7). Where a decode step compiles whole
-    # (`compiled_decode`), decodes of up to the int4 rows run as one compiled FULL graph, without
-    # the Python between pieces and attention calls (see `full_decode_max_reqs`).
+    # (`compiled_decode`), a decode of one request runs as one compiled FULL graph, without the
+    # Python between pieces and attention calls (see `full_decode_max_reqs`).
     def default_graph_config(self, int4_rows: int = 0, packed_buckets: tuple[int, ...] = (),
                              compiled_decode: bool = False) -> GraphConfig:
         if int4_rows < 1:
@@ -237,7 +238,9 @@ class CpuPlatform(Platform):
                                full_capture_sizes=full, compile=True)
         return GraphConfig(mode=GraphMode.PIECEWISE, capture_sizes=tuple(sizes), compile=True)
 
-    # Decode steps of up to this many requests run as compiled FULL graphs by default: what
-    # they save is per-layer Python (a fixed cost a step), and each size compiles a graph of
-    # every layer at start-up.
-    full_decode_max_reqs = 4
+    # Decode steps of up to this many requests run as compiled FULL graphs by default. They save
+    # per-layer Python, a fixed cost a step: on a 2 vCPU Zen 4, in-process pairs of decode steps
+    # of the default model ran 0.85x the piecewise steps' time at batch 1. But each size traces
+    # and compiles every layer at start-up: 7.7 s a size with Inductor's cache warm, about 25 s
+    # cold, against 4.5 s for all eight piecewise sizes. Batch 1, the latency case, is worth it.
+    full_decode_max_reqs = 1

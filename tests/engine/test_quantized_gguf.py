@@ -69,9 +69,9 @@ def test_int4_steps_and_packed_steps_replay_compiled_pieces(engines):
     sizes = {n for n in (1, 2, 4, 8) if n <= rows} | ({8, 16, 32, 48, 64} if packs else set())
     pieces = [d.num_tokens for d in graphs.descriptors if d.mode is GraphMode.PIECEWISE]
     assert sorted(pieces) == sorted(sizes)
-    # Decodes of up to 4 requests as whole compiled graphs where the attention backend allows it (cpp-paged).
+    # A decode of one request as a whole compiled graph where the attention backend allows it (cpp-paged).
     whole = runner.attn_backend.compiled_decode_graphs
-    assert sorted(d.num_reqs for d in graphs.descriptors if d.mode is GraphMode.FULL) == ([1, 2, 4] if whole else [])
+    assert [d.num_reqs for d in graphs.descriptors if d.mode is GraphMode.FULL] == ([1] if whole else [])
     assert all((m.packed is not None) == packs for m in _linears(engines["auto"]))
     before = dict(graphs.replays)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -40,11 +40,11 @@ def test_cpu_default_is_eager_unless_small_steps_run_int4():
     config = cpu.default_graph_config(int4_rows=4, packed_buckets=row_buckets(64))
     assert config.capture_sizes == (1, 2, 4, 8, 16, 32, 48, 64)
     assert cpu.default_graph_config(packed_buckets=row_buckets(64)).mode is GraphMode.NONE
-    # Where a decode step compiles whole, decodes of up to 4 requests are compiled FULL graphs.
-    for rows in (4, 8):
+    # Where a decode step compiles whole, a decode of one request is a compiled FULL graph.
+    for rows in (1, 4, 8):
         config = cpu.default_graph_config(int4_rows=rows, packed_buckets=row_buckets(64), compiled_decode=True)
-        assert (config.mode, config.full_capture_sizes, config.compile) == (GraphMode.FULL_AND_PIECEWISE, (1, 2, 4), True)
-        assert config.capture_sizes == (1, 2, 4, 8, 16, 32, 48, 64)
+        assert (config.mode, config.full_capture_sizes, config.compile) == (GraphMode.FULL_AND_PIECEWISE, (1,), True)
+        assert config.capture_sizes[-5:] == (8, 16, 32, 48, 64)
     assert cpu.default_graph_config(compiled_decode=True).mode is GraphMode.NONE
 
 
