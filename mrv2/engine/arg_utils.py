@@ -26,11 +26,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--graph-mode", choices=["none", "piecewise", "full", "full_and_piecewise"], default=None,
                    help="full: whole decode steps; piecewise: layers between attention calls, any step; "
                         "full_and_piecewise: full where it fits, else piecewise "
-                        "(default: the platform's, full on CUDA/NPU, none on CPU)")
+                        "(default: the platform's: full on CUDA/NPU; on the CPU compiled pieces and a compiled "
+                        "full graph for one request where small steps run on quantized kernels, else none)")
     g.add_argument("--graph-capture-sizes", default=None,
                    help="comma-separated sizes to capture (requests for full, tokens for piecewise)")
     g.add_argument("--graph-compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile piecewise pieces on the CPU (default: on)")
+                   help="torch.compile the graphs on the CPU (default: pieces compiled, full graphs not)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap scheduling of the next step with the current one (default: the platform's)")
     g.add_argument("--quantization", choices=["auto", "gguf", "none"], default="auto",

@@ -70,11 +70,13 @@ class LLM:
     else `kv_cache_memory_fraction` of the free device memory. `graph_mode` ("none";
     "full": whole uniform-decode steps; "piecewise": the layers between attention calls,
     any step; "full_and_piecewise": full where it fits, else piecewise; default: the
-    platform's, full on CUDA/NPU, none on CPU) and
+    platform's, full on CUDA/NPU; on the CPU compiled pieces, and a compiled full graph for
+    a decode of one request, where small steps run on quantized kernels, else none) and
     `graph_capture_sizes` (requests for full, tokens for piecewise) set graph capture;
-    `graph_compile` runs piecewise pieces through torch.compile on the CPU (default:
-    on); `enforce_eager` turns it all off. `async_scheduling` overlaps the host's
-    scheduling and input preparation of the next step with the current step's compute
+    `graph_compile` runs the graphs through torch.compile on the CPU (default: pieces
+    compiled, full graphs re-run eagerly); `enforce_eager` turns it all off.
+    `async_scheduling` overlaps the host's scheduling and input preparation of the next
+    step with the current step's compute
     (default: the platform's; see `mrv2 bench throughput`). `quantization` ("auto",
     "gguf" or None) keeps a GGUF file's quantized tensors quantized or dequantizes them
     (see `ModelConfig`). `enable_prefix_caching` lets requests reuse the KV blocks of a
