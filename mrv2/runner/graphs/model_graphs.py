@@ -163,7 +163,6 @@ class ModelGraphs:
             seq_lens_cpu=np.full(b, keys), block_size=self.block_size, static_shapes=True)
 
 
-
 def _full_forward(model: nn.Module, attn_backend: AttentionBackend, inputs: InputBuffers, desc: BatchDescriptor,
                   common: CommonAttentionMetadata) -> torch.Tensor:
     t = desc.num_tokens
