@@ -1,10 +1,12 @@
 """Graph backends: how a platform records a forward once and replays it.
 
-A captured graph reads its inputs from fixed addresses and leaves its result in
-`output`, a tensor (or tuple/list/dict of tensors) at fixed addresses, on every
-replay. Device backends wrap torch's stream-graph API (CUDA graphs, NPU graphs);
-the eager backend re-runs the callable and copies into the first output, which keeps
-the same contract on devices without graphs.
+A graph records `fn(*inputs)`; `replay(*inputs)` runs it again over new inputs of the
+captured shapes and returns its result. Device backends wrap torch's stream-graph API
+(CUDA graphs, NPU graphs): there the inputs are copied into the captured ones where they
+are other tensors, and the result lives at fixed addresses, overwritten by the next
+replay. Host backends call the function (eager, or the code torch.compile made for the
+capture) on the inputs as they are and return new tensors: a chain of pieces passes
+each piece's result to the next without copies.
 """
 
 from __future__ import annotations
@@ -23,14 +25,19 @@ import torch
 
 logger = logging.getLogger("mrv2")
 
+GraphInput = torch.Tensor | None
+
 
 class CapturedGraph(ABC):
-    """One recorded forward; `output` holds its result after every `replay()`."""
+    """One recorded `fn(*inputs)`; `output` is the capture run's result."""
 
     output: Any
 
     @abstractmethod
-    def replay(self) -> None: ...
+    def replay(self, *inputs: GraphInput) -> Any:
+        """Run again over `inputs` (tensors shaped as the captured ones, or those themselves) and the
+        current contents of whatever else the function reads; returns the result, valid until the
+        next replay."""
 
 
 class GraphBackend(ABC):
@@ -41,8 +48,8 @@ class GraphBackend(ABC):
         """A memory pool that several captures may share (None where pools do not exist)."""
 
     @abstractmethod
-    def capture(self, fn: Callable[[], Any], pool: Any) -> CapturedGraph:
-        """Record `fn()`; its return value becomes the graph's `output`."""
+    def capture(self, fn: Callable[..., Any], pool: Any, inputs: tuple[GraphInput, ...] = ()) -> CapturedGraph:
+        """Record `fn(*inputs)`; its return value becomes the graph's `output`."""
 
 
 def _leaves(obj: Any) -> Iterator[torch.Tensor]:
@@ -58,32 +65,30 @@ def _leaves(obj: Any) -> Iterator[torch.Tensor]:
         raise TypeError(f"graph outputs must be tensors or tuples/lists/dicts of them, got {type(obj).__name__}")
 
 
-class _EagerGraph(CapturedGraph):
-    """`fn()` once at capture; each replay calls `replay_fn` (default `fn`), which returns the same structure."""
+class _HostGraph(CapturedGraph):
+    """A capture run's `output`; each replay returns `replay_fn(*inputs)`, computed anew."""
 
-    def __init__(self, fn: Callable[[], Any], replay_fn: Callable[[], Any] | None = None) -> None:
-        self.output = fn()
-        self._leaves = list(_leaves(self.output))  # rejects unsupported outputs at capture
-        self._fn = replay_fn or fn
+    def __init__(self, output: Any, replay_fn: Callable[..., Any]) -> None:
+        list(_leaves(output))  # rejects unsupported outputs at capture
+        self.output = output
+        self._fn = replay_fn
 
-    def replay(self) -> None:
-        for dst, src in zip(self._leaves, _leaves(self._fn()), strict=True):
-            if dst.data_ptr() != src.data_ptr():
-                dst.copy_(src)
+    def replay(self, *inputs: GraphInput) -> Any:
+        return self._fn(*inputs)
 
 
 class EagerGraphBackend(GraphBackend):
-    """No graphs: replay re-runs the callable and copies into the captured output.
+    """No graphs: replay re-runs the callable.
 
-    The CPU's backend for FULL graphs, where padding to static shapes is all a replay
-    changes (see `mrv2 bench decode`).
+    The CPU's backend for FULL graphs that are not compiled, where padding to static shapes
+    is all a replay changes (see `mrv2 bench decode`).
     """
 
     def new_pool(self) -> None:
         return None
 
-    def capture(self, fn: Callable[[], Any], pool: Any) -> CapturedGraph:
-        return _EagerGraph(fn)
+    def capture(self, fn: Callable[..., Any], pool: Any, inputs: tuple[GraphInput, ...] = ()) -> CapturedGraph:
+        return _HostGraph(fn(*inputs), fn)
 
 
 # Guards on state a loaded model never changes: its modules' hook dicts, attributes absent
@@ -133,7 +138,7 @@ def dynamo_entry(func: Callable[..., Any], args: tuple, kwargs: dict) -> Callabl
 
 
 class CompiledGraphBackend(GraphBackend):
-    """A torch.compile'd (Inductor) callable per captured shape; replay runs it and copies into the output.
+    """A torch.compile'd (Inductor) callable per captured shape; a replay runs it on the inputs it is given.
 
     The CPU's backend for PIECEWISE graphs, where fused pointwise kernels pay (see
     `mrv2 bench compile`). A `functools.partial` is compiled through its function, so
@@ -150,7 +155,7 @@ class CompiledGraphBackend(GraphBackend):
     def new_pool(self) -> None:
         return None
 
-    def capture(self, fn: Callable[[], Any], pool: Any) -> CapturedGraph:
+    def capture(self, fn: Callable[..., Any], pool: Any, inputs: tuple[GraphInput, ...] = ()) -> CapturedGraph:
         func, args, kwargs = (fn.func, fn.args, fn.keywords) if isinstance(fn, partial) else (fn, (), {})
         compiled = self._compiled.get(func)
         if compiled is None:
@@ -160,18 +165,25 @@ class CompiledGraphBackend(GraphBackend):
         # Every capture size is one more specialization of the same code: allow them all.
         limit = self.recompile_limit
         with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit):
-            output = call()
-        entry = dynamo_entry(func, args, kwargs)
-        return _EagerGraph(lambda: output, call if entry is None else partial(entry, *args, **kwargs))
+            output = call(*inputs)
+        entry = dynamo_entry(func, args + inputs, kwargs)
+        return _HostGraph(output, call if entry is None else partial(entry, *args, **kwargs))
 
 
 class _DeviceGraph(CapturedGraph):
-    def __init__(self, graph: Any, output: Any) -> None:
+    """A stream graph over the captured inputs: a replay copies other inputs into them first."""
+
+    def __init__(self, graph: Any, inputs: tuple[GraphInput, ...], output: Any) -> None:
         self._graph = graph
+        self._inputs = inputs
         self.output = output
 
-    def replay(self) -> None:
+    def replay(self, *inputs: GraphInput) -> Any:
+        for captured, given in zip(self._inputs, inputs, strict=True):
+            if given is not None and given.data_ptr() != captured.data_ptr():
+                captured.copy_(given)
         self._graph.replay()
+        return self.output
 
 
 class StreamGraphBackend(GraphBackend):
@@ -190,19 +202,19 @@ class StreamGraphBackend(GraphBackend):
     def new_pool(self) -> Any:
         return self._mod.graph_pool_handle()
 
-    def capture(self, fn: Callable[[], Any], pool: Any) -> CapturedGraph:
+    def capture(self, fn: Callable[..., Any], pool: Any, inputs: tuple[GraphInput, ...] = ()) -> CapturedGraph:
         mod = self._mod
         # Warm-up on a side stream (lazy init, autotuning, allocator growth) stays out of the graph.
         stream = mod.Stream()
         stream.wait_stream(mod.current_stream())
         with mod.stream(stream):
             for _ in range(self.warmup_runs):
-                fn()
+                fn(*inputs)
         mod.current_stream().wait_stream(stream)
         graph = getattr(mod, self.graph_class)()
         with mod.graph(graph, pool=pool):
-            output = fn()
-        return _DeviceGraph(graph, output)
+            output = fn(*inputs)
+        return _DeviceGraph(graph, inputs, output)
 
 
 class CudaGraphBackend(StreamGraphBackend):

@@ -14,43 +14,23 @@ from mrv2.platforms import CpuPlatform, CudaPlatform
 from mrv2.platforms.graphs import CompiledGraphBackend, CudaGraphBackend, EagerGraphBackend, NpuGraphBackend
 
 
-def test_eager_output_address_is_stable_and_matches_eager():
+def test_eager_replays_compute_over_the_current_inputs():
     torch.manual_seed(0)
     x = torch.randn(8, 16)
     w = torch.randn(16, 16)
     backend = EagerGraphBackend()
     graph = backend.capture(lambda: torch.relu(x @ w), backend.new_pool())
-    out, ptr = graph.output, graph.output.data_ptr()
+    torch.testing.assert_close(graph.output, torch.relu(x @ w), rtol=0, atol=0)
     for _ in range(3):
         x.copy_(torch.randn(8, 16))  # new inputs in place, as a runner writes its persistent buffers
-        graph.replay()
-        assert graph.output is out and out.data_ptr() == ptr
-        torch.testing.assert_close(out, torch.relu(x @ w), rtol=0, atol=0)
+        torch.testing.assert_close(graph.replay(), torch.relu(x @ w), rtol=0, atol=0)
 
 
-def test_eager_structured_outputs():
-    x = torch.zeros(4)
+def test_eager_replays_take_inputs_and_return_structured_outputs():
     backend = EagerGraphBackend()
-    graph = backend.capture(lambda: (x + 1, {"h": x * 2, "none": None}), None)
-    first, nested = graph.output
-    ptrs = (first.data_ptr(), nested["h"].data_ptr())
-    x.fill_(3.0)
-    graph.replay()
-    assert (first.data_ptr(), nested["h"].data_ptr()) == ptrs
-    assert first.tolist() == [4.0] * 4 and nested["h"].tolist() == [6.0] * 4
-
-
-def test_eager_output_that_aliases_an_input_buffer():
-    buf = torch.zeros(6)
-
-    def fn():
-        torch.add(buf[:3], 1.0, out=buf[3:])
-        return buf[3:]
-
-    graph = EagerGraphBackend().capture(fn, None)
-    buf[:3] = torch.tensor([1.0, 2.0, 3.0])
-    graph.replay()
-    assert graph.output.tolist() == [2.0, 3.0, 4.0]
+    graph = backend.capture(lambda a, b: (a + 1, {"h": a * b, "none": None}), None, (torch.zeros(4), torch.ones(4)))
+    first, nested = graph.replay(torch.full((4,), 3.0), torch.full((4,), 2.0))
+    assert first.tolist() == [4.0] * 4 and nested["h"].tolist() == [6.0] * 4 and nested["none"] is None
 
 
 def test_eager_rejects_unsupported_outputs():
@@ -73,16 +53,27 @@ def test_compiled_pieces_share_one_graph_per_shape_across_modules():
     with torch.inference_mode():
         graphs = [backend.capture(partial(_linear_relu, lin, x), None) for x in (x8, x4) for lin in lins]
         assert counters["stats"]["unique_graphs"] - before == 2  # one per shape, not per module
-        outputs = [g.output for g in graphs]
-        ptrs = [o.data_ptr() for o in outputs]
         x8.copy_(torch.randn(8, 16))
         x4.copy_(torch.randn(4, 16))
-        for g in graphs:
-            g.replay()
-        assert [g.output.data_ptr() for g in graphs] == ptrs and all(g.output is o for g, o in zip(graphs, outputs))
+        outputs = [g.replay() for g in graphs]
         want = [torch.relu(lin(x)) for x in (x8, x4) for lin in lins]
-    for g, w in zip(graphs, want, strict=True):
-        torch.testing.assert_close(g.output, w)
+    for out, w in zip(outputs, want, strict=True):
+        torch.testing.assert_close(out, w)
+
+
+def test_compiled_replays_compute_over_the_inputs_given():
+    """Inputs passed at capture are arguments: a replay runs the captured code on other tensors of their
+    shapes, as a chain of pieces hands on each piece's result."""
+    torch._dynamo.reset()
+    backend = CompiledGraphBackend()
+    lin = torch.nn.Linear(16, 16)
+    with torch.inference_mode():
+        captured = torch.randn(4, 16)
+        graph = backend.capture(partial(_linear_relu, lin), None, (captured,))
+        torch.testing.assert_close(graph.output, torch.relu(lin(captured)))
+        for _ in range(2):
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(graph.replay(x), torch.relu(lin(x)))
 
 
 class _Shift(torch.nn.Module):
@@ -104,8 +95,8 @@ def test_compiled_pieces_of_other_constants_or_dtypes_never_share_code():
         for eps, dtype in ((0.5, torch.float32), (0.25, torch.float32), (0.5, torch.bfloat16)):
             module, x = _Shift(eps, dtype), torch.ones(4, dtype=dtype)
             graph = backend.capture(partial(_scale_shift, module, x), None)
-            graph.replay()
-            assert graph.output.dtype == dtype and torch.equal(graph.output, torch.full((4,), 2 + eps, dtype=dtype))
+            out = graph.replay()
+            assert out.dtype == dtype and torch.equal(out, torch.full((4,), 2 + eps, dtype=dtype))
 
 
 def test_replay_guards_drop_only_guards_on_fixed_module_state():
@@ -138,13 +129,18 @@ def test_cuda_graph_replays_over_fixed_inputs():
     backend = CudaPlatform().graph_backend(GraphConfig())
     x = torch.randn(8, 16, device="cuda")
     w = torch.randn(16, 16, device="cuda")
-    graph = backend.capture(lambda: torch.relu(x @ w), backend.new_pool())
+    graph = backend.capture(lambda a: torch.relu(a @ w), backend.new_pool(), (x,))
     ptr = graph.output.data_ptr()
     x.copy_(torch.randn(8, 16, device="cuda"))
-    graph.replay()
+    out = graph.replay(x)
     torch.cuda.synchronize()
-    assert graph.output.data_ptr() == ptr
-    torch.testing.assert_close(graph.output, torch.relu(x @ w))
+    assert out is graph.output and out.data_ptr() == ptr
+    torch.testing.assert_close(out, torch.relu(x @ w))
+    y = torch.randn(8, 16, device="cuda")  # another tensor: copied into the captured input
+    out = graph.replay(y)
+    torch.cuda.synchronize()
+    assert out.data_ptr() == ptr
+    torch.testing.assert_close(out, torch.relu(y @ w))
 
 
 def test_compiled_replays_call_the_captured_code_without_dynamo():
@@ -164,6 +160,6 @@ def test_compiled_replays_call_the_captured_code_without_dynamo():
         torch._dynamo.reset()
         compiles = counters["stats"]["unique_graphs"]
         x.copy_(torch.randn(4, 16))
-        graph.replay()
+        out = graph.replay()
         assert counters["stats"]["unique_graphs"] == compiles
-        torch.testing.assert_close(graph.output, torch.relu(lin(x)))
+        torch.testing.assert_close(out, torch.relu(lin(x)))

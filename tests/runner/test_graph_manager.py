@@ -20,7 +20,7 @@ class _RecordedGraph(CapturedGraph):
 
     def replay(self):
         self._log.append(("replay", self._desc_of()))
-        self.output.copy_(self._fn())
+        return self.output.copy_(self._fn())
 
 
 class RecordingGraphBackend(GraphBackend):
@@ -33,8 +33,8 @@ class RecordingGraphBackend(GraphBackend):
         self.pools.append(object())
         return self.pools[-1]
 
-    def capture(self, fn, pool):
-        assert pool is self.pools[-1]
+    def capture(self, fn, pool, inputs=()):
+        assert pool is self.pools[-1] and inputs == ()
         desc = self.current
         self.log.append(("capture", desc))
         return _RecordedGraph(fn, self.log, lambda: desc)

@@ -26,13 +26,21 @@ def _copy_tree(dst, src):
 
 
 class _Piece(CapturedGraph):
-    def __init__(self, fn, index, log):
-        self.fn, self.index, self.log = fn, index, log
-        self.output = _tree(fn(), torch.clone)  # outputs at addresses the backend owns, as a device graph's
+    """A device graph's contract: inputs copied into the captured ones, outputs at addresses it owns."""
 
-    def replay(self):
+    def __init__(self, fn, inputs, index, log):
+        self.fn, self.inputs, self.index, self.log = fn, inputs, index, log
+        self.output = _tree(fn(*inputs), torch.clone)
+        self.copied = 0  # inputs that arrived at other addresses
+
+    def replay(self, *inputs):
         self.log.append(("replay", self.index))
-        _copy_tree(self.output, self.fn())
+        for captured, given in zip(self.inputs, inputs, strict=True):
+            if given is not None and given.data_ptr() != captured.data_ptr():
+                captured.copy_(given)
+                self.copied += 1
+        _copy_tree(self.output, self.fn(*self.inputs))
+        return self.output
 
 
 class PieceRecorder(GraphBackend):
@@ -44,10 +52,10 @@ class PieceRecorder(GraphBackend):
     def new_pool(self):
         return "pool"
 
-    def capture(self, fn, pool):
+    def capture(self, fn, pool, inputs=()):
         assert pool == "pool"
         self.log.append(("capture", self.count))
-        piece = _Piece(fn, self.count, self.log)
+        piece = _Piece(fn, inputs, self.count, self.log)
         self.count += 1
         return piece
 
@@ -147,11 +155,63 @@ def test_addresses_are_fixed_across_replays_and_buffers_shared_across_sizes():
     torch.testing.assert_close(out2[:7], want)
     # Every size reads the same attention-output buffers: the smaller one's are prefixes.
     big, small = (m._entries[piecewise(n)].recording for n in (8, 4))
-    for (_, buf8), (_, buf4) in zip(big.links, small.links, strict=True):
+    for buf8, buf4 in zip(big.attn_out, small.attn_out, strict=True):
         assert buf4.data_ptr() == buf8.data_ptr() and buf4.shape[0] == 4 and buf8.shape[0] == 8
     out4 = m.replay(piecewise(4), step(ids, positions, [2, 7], 4))
     want4 = model.forward(torch.tensor([2, 7]), torch.arange(2, dtype=torch.float32), {"bias": 0.5})
     torch.testing.assert_close(out4[:2], want4)
+
+
+def test_device_pieces_copy_only_attention_outputs_of_full_batches():
+    """A device graph reads captured inputs: a full batch's attention output is copied into it,
+    a padded one's lands there already (the padding buffer is the captured input); residuals
+    stay in the previous piece's output."""
+    log = []
+    m, *_, ids, positions, _ = make(log)
+    m.capture([piecewise(8)])
+    pieces = m._entries[piecewise(8)].recording.pieces
+    m.replay(piecewise(8), step(ids, positions, list(range(8)), 8))
+    assert [p.copied for p in pieces] == [0, 1, 1]
+    m.replay(piecewise(8), step(ids, positions, [1, 2, 3], 8))
+    assert [p.copied for p in pieces] == [0, 1, 1]
+
+
+class _TracingModel(ToyModel):
+    """Records what each segment is given and returns, and what attention returns."""
+
+    def __init__(self, log):
+        super().__init__(log)
+        self.calls, self.attended = [], []
+
+    def segment(self, i, positions, x, residual):
+        out = super().segment(i, positions, x, residual)
+        self.calls.append((x, residual, out))
+        return out
+
+    def attend(self, i, inputs, metadata):
+        out = super().attend(i, inputs, metadata)
+        self.attended.append(out)
+        return out
+
+
+def test_host_pieces_pass_results_on_as_they_are():
+    model = _TracingModel([])
+    ids, positions = torch.zeros(8, dtype=torch.int64), torch.zeros(8)
+    recorder = PiecewiseForward(model, ids, positions, lambda common: {"bias": common.bias})
+    m = GraphManager(EagerGraphBackend(), GraphInputs({"ids": ids, "positions": positions}), lambda d: None, recorder)
+    m.capture([piecewise(8)])
+    for tokens in (list(range(1, 9)), [4, 2]):
+        model.calls.clear(), model.attended.clear()
+        out = m.replay(piecewise(8), step(ids, positions, tokens, 8))
+        (_, _, first), (x1, res1, second), (x2, res2, last) = model.calls
+        assert res1 is first[1] and res2 is second[1] and out is last
+        if len(tokens) == 8:  # a full batch: attention outputs go on as they are
+            assert x1 is model.attended[0] and x2 is model.attended[1]
+        else:  # padded into the buffers
+            attn_out = m._entries[piecewise(8)].recording.attn_out
+            assert x1 is attn_out[0] and x2 is attn_out[1]
+        want = model.forward(torch.tensor(tokens), torch.arange(len(tokens), dtype=torch.float32), {"bias": 0.5})
+        torch.testing.assert_close(out[:len(tokens)], want)
 
 
 def test_eager_graph_backend_runs_the_same_pieces():

@@ -79,7 +79,7 @@ class GraphInputs:
 
 
 class Recording(Protocol):
-    """What one descriptor's capture produced; `replay` returns the output at fixed addresses."""
+    """What one descriptor's capture produced; `replay` returns the output (see `CapturedGraph.replay`)."""
 
     def replay(self, metadata: Any) -> Any: ...
 
@@ -95,8 +95,7 @@ class _WholeRecording:
         self.graph = graph
 
     def replay(self, metadata: Any) -> Any:
-        self.graph.replay()
-        return self.graph.output
+        return self.graph.replay()
 
 
 @dataclass(frozen=True)
@@ -172,12 +171,12 @@ class GraphManager:
         return self._entries[desc].metadata
 
     def replay(self, desc: BatchDescriptor, metadata: Any) -> Any:
-        """Replay `desc` over the current contents of the inputs; returns the captured output.
+        """Replay `desc` over the current contents of the inputs; returns its output.
 
         `metadata` is the step's own metadata, handed to each backend's `prepare_replay`
-        and to the recording (piecewise recordings attend with it). The output lives at
-        fixed addresses and is overwritten by the next replay of `desc`; its rows past
-        the step's real sizes are padding.
+        and to the recording (piecewise recordings attend with it). The output is valid
+        until the next replay of `desc` (a device graph's lives at fixed addresses and is
+        overwritten then); its rows past the step's real sizes are padding.
         """
         entry = self._entries[desc]
         self._check_inputs()
