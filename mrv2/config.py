@@ -68,11 +68,14 @@ class QuantPolicy:
     quantized weights may take, for larger batches, where dense GEMMs are faster; the
     copy is kept only if all of it fits (0: never). `gemv_isa`: the instruction set of the
     platform's own block GEMV for those batches (the platform's numbering; 0: torch's int4 kernel).
+    `amx`: larger batches run on the platform's AMX block GEMM over the same quantized weights
+    (no dense copy then).
     """
 
     int4_max_rows: int = 0
     dense_budget: int = 0
     gemv_isa: int = 0
+    amx: bool = False
 
     @property
     def uses_int4(self) -> bool:

@@ -6,6 +6,8 @@ lookup embeds the ids in its slice, zeros the rest and sums over the ranks.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,7 +59,10 @@ class VocabEmbedding(nn.Embedding):
         """Dequantize into the dense table, or drop it (lookups then dequantize their rows)."""
         if self.quantized is None:
             return
+        q = self.quantized
         if keep_dense:
-            self.weight.data.copy_(self.quantized.dequantize(torch.float32))
+            self.weight.data.copy_(q.dequantize(torch.float32))
         else:
             self.weight = None
+            # Scales in fp32 for lookups: compiled code then mixes no fp16 into the model's bf16 (a few MiB).
+            self.quantized = replace(q, scales=q.scales.float(), mins=None if q.mins is None else q.mins.float())

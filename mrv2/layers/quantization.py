@@ -21,6 +21,9 @@ GGUF dequantization up to that dtype's rounding of the scales.
 the platform's own block kernels (`torch.ops.mrv2_gguf`, loaded by the platform), which keep
 GGUF's blocks and fp16 scales as they are (one pass over the weights for Q8_0) and sum
 integer products with the activations quantized to int16 per block (a finer step than bf16).
+Where the policy says `amx`, batches of more rows run on the AMX block GEMM over a second
+layout of the same codes (`AmxTiles`): each tile dequantized to bf16 in cache, as a dense bf16
+copy holds it, then multiplied in fp32.
 `quantized_matmul` picks one of the two for a weight and a `QuantPolicy`.
 """
 
@@ -139,14 +142,60 @@ class Int4Matmul:
         return sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in self._packs)
 
 
+@dataclass(frozen=True)
+class AmxTiles:
+    """A Q4 or Q8_0 weight laid out for the AMX block GEMM (`cpu_kernels/gguf_amx.cpp`): per tile of 16
+    output columns by 32 input features, 16 rows of bf16 pairs (features 2r, 2r + 1 of each column).
+
+    `codes`: Q4 [N / 16, K / 32, 16, 16] bytes (feature 2r in the low nibble, 2r + 1 in the high one),
+    Q8_0 [N / 16, K / 32, 16, 32] int8 (column-major pairs); `scales` (and `mins`) fp16 [N / 16, K / 32, 16].
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @staticmethod
+    def supports(weight: QuantizedWeight) -> bool:
+        n, k = weight.shape
+        return n % 16 == 0 and k % GGUF_BLOCK == 0
+
+    @classmethod
+    def of(cls, weight: QuantizedWeight, codes: torch.Tensor, scales: torch.Tensor,
+           mins: torch.Tensor | None) -> AmxTiles:
+        """Tiles of `weight` from its codes ([N, K], q in 0..15 or int8) and fp16 per-block scales (and mins)."""
+        n, k = weight.shape
+        pairs = codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [tile n, tile k, r, n, pair]
+        if mins is None:
+            tiled = pairs.to(torch.int8).reshape(n // 16, k // 32, 16, 32)
+        else:
+            q = pairs.to(torch.uint8)
+            tiled = q[..., 0] | (q[..., 1] << 4)
+
+        def per_tile(t: torch.Tensor) -> torch.Tensor:
+            return t.to(torch.float16).view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
+
+        return cls(tiled.contiguous(), per_tile(scales), None if mins is None else per_tile(mins))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mins is None:
+            return torch.ops.mrv2_gguf.q8_gemm_amx(x, self.codes, self.scales)
+        return torch.ops.mrv2_gguf.q4_gemm_amx(x, self.codes, self.scales, self.mins)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+
+
 class BlockGemv:
-    """x @ W^T for a `QuantizedWeight` on the platform's block GEMV (`gemv_isa` names its instruction set).
+    """x @ W^T for a `QuantizedWeight` on the platform's block GEMV (`gemv_isa` names its instruction set);
+    batches of more than `gemv_rows` rows on its AMX block GEMM where `amx` (bf16 activations).
 
     Codes keep GGUF's layout (Q4: two a byte, weight j and j + 16 of a block in one byte);
     scales and mins are fp16, as GGUF stores them (Q4_0 as Q4_1 with min -8d, exact in fp16).
     """
 
-    def __init__(self, weight: QuantizedWeight, isa: int) -> None:
+    def __init__(self, weight: QuantizedWeight, isa: int, amx: bool = False, gemv_rows: int = 0) -> None:
         if not block_gemv_supports(weight):
             raise ValueError(f"{weight.qtype} weight of shape {tuple(weight.shape)} is not one the block GEMV takes")
         self.isa = isa
@@ -156,14 +205,21 @@ class BlockGemv:
         if weight.qtype == "Q8_0":
             self.codes = weight.codes.to(torch.int8).contiguous()
             self.mins = None
+            mins = None
         else:
             blocks = weight.codes.to(torch.uint8).view(n, k // GGUF_BLOCK, GGUF_BLOCK)
             self.codes = (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-            self.mins = _padded_halves(-8 * weight.scales.float() if weight.qtype == "Q4_0" else weight.mins)
+            mins = -8 * weight.scales.float() if weight.qtype == "Q4_0" else weight.mins
+            self.mins = _padded_halves(mins)
+        self.gemv_rows = gemv_rows
+        self.amx = AmxTiles.of(weight, weight.codes, weight.scales, mins) \
+            if amx and AmxTiles.supports(weight) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if self.mins is None:
+        if self.amx is not None and x2.shape[0] > self.gemv_rows and x2.dtype == torch.bfloat16:
+            y = self.amx(x2)
+        elif self.mins is None:
             y = torch.ops.mrv2_gguf.q8_gemv(x2, self.codes, self.scales, self.isa)
         else:
             y = torch.ops.mrv2_gguf.q4_gemv(x2, self.codes, self.scales, self.mins, self.isa)
@@ -171,7 +227,8 @@ class BlockGemv:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+        tensors = (self.codes, self.scales, self.mins)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + (self.amx.nbytes if self.amx else 0)
 
 
 def _padded_halves(t: torch.Tensor) -> torch.Tensor:
@@ -203,7 +260,7 @@ def quantized_matmul(weight: QuantizedWeight, dtype: torch.dtype, policy: QuantP
     if not policy.uses_int4:
         return None
     if policy.gemv_isa and block_gemv_supports(weight):
-        return BlockGemv(weight, policy.gemv_isa)
+        return BlockGemv(weight, policy.gemv_isa, policy.amx and dtype == torch.bfloat16, policy.int4_max_rows)
     if int4_kernel_supports(*weight.shape):
         return Int4Matmul(weight, dtype)
     return None

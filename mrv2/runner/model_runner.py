@@ -90,7 +90,7 @@ class ModelRunner:
                         spec.num_speculative_tokens)
         # Collectives inside compiled pieces are unmeasured: tensor-parallel ranks take no int4 default.
         int4_rows = self.model.int4_rows() if tp.size == 1 else 0
-        buckets: tuple[int, ...] = ()  # the packed GEMMs' row buckets, where any weight was packed
+        buckets: tuple[int, ...] = ()  # row buckets of larger steps, where packed or AMX GEMMs run them
         if batch_invariant:
             self.model.make_batch_invariant()
         elif (rows := platform.linear_pack_rows(dtype)) is not None:
@@ -99,6 +99,7 @@ class ModelRunner:
             if packed:
                 logger.info("Dense weights of %d linear layers prepacked for oneDNN (batches of ~%d rows)",
                             packed, rows)
+            if packed or (quant_policy is not None and quant_policy.amx):  # kernels compiled pieces call
                 buckets = row_buckets(rows)
         # A whole decode step compiles where attention allows it and nothing else runs between its layers
         # (a drafter's verify steps are not decodes; a KV connector is called around every layer).

@@ -77,6 +77,32 @@ def test_block_gemv_follows_cpu_flags(flags, isa):
     assert why.startswith("mrv2's GGUF block GEMV" if isa else "torch's int4 kernel (mrv2's GGUF block GEMV: ")
 
 
+SAPPHIRE_RAPIDS = VNNI | {"avx512_bf16", "amx_tile", "amx_bf16"}
+
+
+@pytest.mark.parametrize("flags,dtype,quantization", [
+    (SAPPHIRE_RAPIDS, torch.bfloat16, "auto"),
+    (SAPPHIRE_RAPIDS, torch.bfloat16, "gguf"),
+    (SAPPHIRE_RAPIDS, torch.float32, "gguf"),  # fp32 activations: the AMX GEMM takes bf16 only
+    (SAPPHIRE_RAPIDS - {"amx_bf16"}, torch.bfloat16, "auto"),
+    (VNNI | {"avx512_bf16"}, torch.bfloat16, "auto"),  # Zen 4
+])
+def test_amx_block_gemm_follows_cpu_flags_and_dtype(flags, dtype, quantization):
+    """Larger batches run on the AMX GEMM (no dense copy) where the flags name AMX-BF16, the activations are
+    bf16 and the process may use AMX tiles (which only a CPU with AMX grants); else as before."""
+    from mrv2.platforms.cpu_kernels import load_cpu_kernels
+
+    platform = CpuPlatform(frozenset(flags))
+    policy, why = platform.quant_policy(dtype, quantization)
+    granted = load_cpu_kernels() is None and torch.ops.mrv2_gguf.amx_ready()
+    amx = platform.has_amx() and dtype == torch.bfloat16 and granted
+    assert platform.has_amx() == ("amx_bf16" in flags)
+    assert policy.amx == amx and policy.uses_int4
+    assert ("AMX block GEMM" in why) == amx
+    if amx:
+        assert policy.dense_budget == 0  # the tiles serve every batch: no dense copy
+
+
 INTEL, AMD = "GenuineIntel", "AuthenticAMD"
 
 

@@ -22,7 +22,8 @@ _SOURCES = Path(__file__).parent
 @lru_cache(maxsize=1)
 def load_cpu_kernels() -> str | None:
     """Build (once per machine) and load the kernels: the GGUF block GEMVs (`torch.ops.mrv2_gguf.q4_gemv`,
-    `q8_gemv`) and paged decode attention (`torch.ops.mrv2.paged_decode_attention`, and
+    `q8_gemv`), the GGUF block GEMMs on AMX (`q4_gemm_amx`, `q8_gemm_amx`, which run where `amx_ready()`) and
+    paged decode attention (`torch.ops.mrv2.paged_decode_attention`, and
     `paged_decode_attention_with_kv`, which first writes the step's keys and values); None when
     loaded, else why not. They need AVX2, FMA and F16C (the caller checks the CPU's flags)."""
     start = time.perf_counter()
@@ -30,14 +31,14 @@ def load_cpu_kernels() -> str | None:
         from torch.utils.cpp_extension import load
         # -fopenmp: at::parallel_for splits rows over torch's OpenMP threads (its own libgomp,
         # already loaded, serves the calls).
-        load(name="mrv2_cpu_kernels", sources=[str(_SOURCES / f) for f in ("gguf_gemv.cpp", "paged_attention.cpp")],
+        load(name="mrv2_cpu_kernels", sources=[str(_SOURCES / f) for f in ("gguf_gemv.cpp", "gguf_amx.cpp", "paged_attention.cpp")],
              extra_cflags=["-O3", "-fopenmp"],
              extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the caller falls back
         lines = str(e).strip().splitlines()
         return f"{type(e).__name__}: {lines[-1] if lines else ''}"
     _register_fakes()
-    logger.info("CPU kernels (GGUF block GEMV, paged decode attention) loaded in %.1f s", time.perf_counter() - start)
+    logger.info("CPU kernels (GGUF block GEMV and GEMM, paged decode attention) loaded in %.1f s", time.perf_counter() - start)
     return None
 
 
@@ -50,6 +51,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("mrv2_gguf::q8_gemv")
     def _q8(x, codes, scales, isa):
         return x.new_empty(x.shape[0], codes.shape[0])
+
+    @torch.library.register_fake("mrv2_gguf::q4_gemm_amx")
+    def _q4_amx(x, codes, scales, mins):
+        return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2])
+
+    @torch.library.register_fake("mrv2_gguf::q8_gemm_amx")
+    def _q8_amx(x, codes, scales):
+        return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2])
 
     @torch.library.register_fake("mrv2::paged_decode_attention")
     def _attention(query, k_cache, v_cache, block_table, seq_lens, scale):
