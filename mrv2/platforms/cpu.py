@@ -117,8 +117,8 @@ class CpuPlatform(Platform):
         isa = self.gemv_isa()
         failed = load_cpu_kernels() if isa else "the CPU lacks AVX2, FMA or F16C"
         if failed is None and dtype == torch.bfloat16 and self.has_amx() and torch.ops.mrv2_gguf.amx_ready():
-            return QuantPolicy(rows, 0, isa, amx=True), (
-                f"mrv2's GGUF block GEMV ({GEMV_ISAS[isa]}) for up to {rows} rows, its AMX block GEMM above "
+            return QuantPolicy(self.int4_max_rows_amx, 0, isa, amx=True), (
+                f"mrv2's GGUF block GEMV ({GEMV_ISAS[isa]}) for single rows, its AMX block GEMM for more "
                 "(weights dequantized a tile at a time in cache: no dense copy)")
         if failed is None:
             return QuantPolicy(rows, budget, isa), (
@@ -144,8 +144,12 @@ class CpuPlatform(Platform):
 
     # mrv2's AMX block GEMM (`cpu_kernels/gguf_amx.cpp`) against dense bf16 GEMMs on weights prepacked
     # for oneDNN (2 vCPU Sapphire Rapids, the default model's 30 layers of linears, weights from memory):
-    # 8.3 / 7.9 / 8.3 / 11.7 / 17.3 ms against 14.9 / 13.7 / 15.4 / 18.1 / 23.6 at 5 / 16 / 32 / 64 / 128
-    # rows: Q4 weights stream a quarter of the bytes, and each tile is dequantized once per call.
+    # 7.6 / 6.9 / 8.0 / 10.9 / 17.2 ms against 15.4 / 14.0 / 16.6 / 19.0 / 24.6 at 5 / 16 / 32 / 64 / 128
+    # rows: Q4 weights stream a quarter of the bytes, and each tile is dequantized once per call. Its cost
+    # hardly grows below 16 rows (7.4-7.7 ms at 1-8), where the block GEMV's does: 5.3 ms at 1 row, 11.8
+    # at 2, 12.3 at 4. So the GEMV serves single rows only.
+    int4_max_rows_amx = 1
+
     def has_amx(self) -> bool:
         """Whether the CPU has AMX with bf16 tiles (and AVX-512-BF16 for the dequantization)."""
         return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"} <= self.flags

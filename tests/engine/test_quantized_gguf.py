@@ -75,13 +75,13 @@ def test_quantization_modes_place_weights_as_asked(engines):
 def test_int4_steps_and_packed_steps_replay_compiled_pieces(engines):
     runner = engines["auto"].engine.runner
     graphs = runner.graphs
-    # The default graphs: compiled pieces for steps the int4 kernel runs (up to 4 rows where oneDNN
-    # packs the dense copy or the AMX GEMM serves larger steps, 8 elsewhere) and, where the copy is packed
-    # or AMX serves them, for the row buckets up to 64.
+    # The default graphs: compiled pieces for steps the block GEMV runs (single rows where the AMX GEMM
+    # serves more, up to 4 where oneDNN packs the dense copy, 8 elsewhere) and, where AMX or the packed copy
+    # serves larger steps, for the row buckets up to 64.
     amx = _amx(engines["auto"])
     rows, packs = runner.model.int4_rows(), runner.platform.supports_native_bf16() and not amx
-    assert rows in (4, 8) and engines[None].engine.runner.graphs is None
-    sizes = {n for n in (1, 2, 4, 8) if n <= rows} | ({8, 16, 32, 48, 64} if packs or amx else set())
+    assert rows == (1 if amx else 4 if packs else 8) and engines[None].engine.runner.graphs is None
+    sizes = {n for n in (1, 2, 4, 8) if n <= rows} | ({1, 2, 4, 8, 16, 32, 48, 64} if packs or amx else set())
     pieces = [d.num_tokens for d in graphs.descriptors if d.mode is GraphMode.PIECEWISE]
     assert sorted(pieces) == sorted(sizes)
     # A decode of one request as a whole compiled graph where the attention backend allows it (cpp-paged).

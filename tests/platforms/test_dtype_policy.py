@@ -99,8 +99,8 @@ def test_amx_block_gemm_follows_cpu_flags_and_dtype(flags, dtype, quantization):
     assert platform.has_amx() == ("amx_bf16" in flags)
     assert policy.amx == amx and policy.uses_int4
     assert ("AMX block GEMM" in why) == amx
-    if amx:
-        assert policy.dense_budget == 0  # the tiles serve every batch: no dense copy
+    if amx:  # the tiles serve every batch but single rows (the GEMV's): no dense copy
+        assert policy.dense_budget == 0 and policy.int4_max_rows == 1
 
 
 INTEL, AMD = "GenuineIntel", "AuthenticAMD"

@@ -23,7 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 namespace {
 
@@ -127,27 +127,35 @@ inline void store_sums(const float* sums, int64_t rows, at::BFloat16* out, int64
 }
 
 // out[:, column tiles [t0, t1)] for x [M, K] (M a multiple of 16; the first `rows` are real). Two
-// column tiles at a time: all K of them dequantized into `scratch`, then multiplied by two row tiles
-// of x at a time.
+// column tiles at a time, all K of them dequantized into one half of `scratch` while the tile unit
+// multiplies the previous pair's (in the other half) by two row tiles of x at a time: the vector
+// units dequantize between the tile multiplications, which run on a unit of their own.
 template <bool kQ4>
 void gemm_columns(const at::BFloat16* x, int64_t M, int64_t rows, int64_t K, const uint8_t* codes,
                   const uint16_t* d16, const uint16_t* m16, at::BFloat16* out, int64_t N, int64_t t0, int64_t t1,
                   uint16_t* scratch) {
   constexpr int64_t kTileBytes = kQ4 ? kTileElems / 2 : kTileElems;
   const int64_t kt = K / kTileK, x_stride = K * static_cast<int64_t>(sizeof(at::BFloat16));
+  const int64_t half = 2 * kt * kTileElems;
+  // Weight tile j of the column pair starting at t: column t + j / kt, features (j % kt) * 32 on; the
+  // codes hold a column's tiles after the previous column's.
+  auto dequantize = [&](int64_t t, int64_t j, uint16_t* dst) {
+    const int64_t tile = t * kt + j;
+    dequantize_tile<kQ4>(codes + tile * kTileBytes, d16 + tile * kTileN, kQ4 ? m16 + tile * kTileN : nullptr,
+                         dst + j * kTileElems);
+  };
+  auto tiles_of = [&](int64_t t) { return t < t1 ? std::min<int64_t>(2, t1 - t) * kt : 0; };
+  for (int64_t j = 0; j < tiles_of(t0); ++j) dequantize(t0, j, scratch);
   alignas(64) float sums[4][kTileM * kTileN];
   configure_tiles();
-  for (int64_t t = t0; t < t1; t += 2) {
+  const int64_t steps = (M + 2 * kTileM - 1) / (2 * kTileM) * kt;  // tile-unit steps of a pair
+  for (int64_t t = t0, pass = 0; t < t1; t += 2, ++pass) {
     const bool two_cols = t + 1 < t1;
-    for (int64_t c = 0; c < (two_cols ? 2 : 1); ++c) {
-      for (int64_t k = 0; k < kt; ++k) {
-        const int64_t tile = (t + c) * kt + k;
-        dequantize_tile<kQ4>(codes + tile * kTileBytes, d16 + tile * kTileN, kQ4 ? m16 + tile * kTileN : nullptr,
-                             scratch + (c * kt + k) * kTileElems);
-      }
-    }
-    const uint16_t* b0 = scratch;
-    const uint16_t* b1 = scratch + kt * kTileElems;
+    const uint16_t* b0 = scratch + (pass % 2) * half;
+    const uint16_t* b1 = b0 + kt * kTileElems;
+    uint16_t* next = scratch + (1 - pass % 2) * half;
+    const int64_t todo = tiles_of(t + 2);
+    int64_t done = 0, step = 0;
     for (int64_t m = 0; m < M; m += 2 * kTileM) {
       const bool two_rows = m + kTileM < M;
       const at::BFloat16* a0 = x + m * K;
@@ -169,6 +177,7 @@ void gemm_columns(const at::BFloat16* x, int64_t M, int64_t rows, int64_t K, con
           _tile_dpbf16ps(1, 4, 7);
           if (two_rows) _tile_dpbf16ps(3, 5, 7);
         }
+        for (const int64_t until = ++step * todo / steps; done < until; ++done) dequantize(t + 2, done, next);
       }
       _tile_stored(0, sums[0], 64);
       _tile_stored(1, sums[1], 64);
@@ -223,8 +232,9 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tenso
   auto* o = out.data_ptr<at::BFloat16>();
   // Pairs of column tiles are the unit of work: each dequantizes its weights once.
   at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<uint16_t> scratch(2 * (K / kTileK) * kTileElems);
-    gemm_columns<kQ4>(xp, M, rows, K, c, d16, mins, o, N, 2 * p0, std::min(2 * p1, tiles), scratch.data());
+    // Two halves of a column pair's tiles, written before they are read.
+    std::unique_ptr<uint16_t[]> scratch(new uint16_t[4 * (K / kTileK) * kTileElems]);
+    gemm_columns<kQ4>(xp, M, rows, K, c, d16, mins, o, N, 2 * p0, std::min(2 * p1, tiles), scratch.get());
   });
   return out;
 }

@@ -53,6 +53,57 @@ constexpr bool kVnni = false;
 namespace vnni {
 constexpr bool kVnni = true;
 #include "gguf_dot.inc"
+
+// out[n] for weight rows [n0, n1) and one row of quantized x, 512 bits wide: a block's 32 weights
+// unpack into one register as [evens | odds], the order x's codes are stored in, for one vpdpwssd a
+// block (the 256-bit `dot_rows` takes two, and twice the unpacking).
+template <bool kQ4, typename T>
+void dot_row(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, const uint16_t* m16,
+             T* out, int64_t n0, int64_t n1) {
+  constexpr int64_t kChunk = 64;  // blocks whose scales are converted at a time
+  const int64_t nb = K / 32, nbp = padded_blocks(nb);
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+  // Per 128-bit lane: the low nibbles of bytes 0, 2 (weights 4i, 4i + 2), then the high ones (4i + 16,
+  // 4i + 18), then bytes 1, 3's (4i + 1, 4i + 3) and their high nibbles: evens, then odds.
+  const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+  alignas(64) float dd[kChunk];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wrow = codes + n * (kQ4 ? K / 2 : K);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m256 mins = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += kChunk) {
+      const int64_t cb = std::min(kChunk, nb - b0);
+      for (int64_t j = 0; j < cb; j += 8) {
+        const __m256 dw = _mm256_cvtph_ps(load128(d16 + n * nbp + b0 + j));
+        _mm256_store_ps(dd + j, _mm256_mul_ps(dw, _mm256_loadu_ps(qx.d + b0 + j)));
+        if constexpr (kQ4) {
+          mins = _mm256_fmadd_ps(_mm256_cvtph_ps(load128(m16 + n * nbp + b0 + j)), _mm256_loadu_ps(qx.s + b0 + j),
+                                 mins);
+        }
+      }
+      auto block = [&](int64_t j, __m512& acc) __attribute__((always_inline)) {
+        const int64_t b = b0 + j;
+        __m512i w;
+        if constexpr (kQ4) {
+          w = _mm512_and_si512(_mm512_srlv_epi32(_mm512_broadcast_i32x4(load128(wrow + 16 * b)), shifts), nibbles);
+        } else {
+          const __m256i v = load256(wrow + 32 * b);  // int16 lane i: weights 2i (low byte) and 2i + 1
+          w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8)),
+                                 _mm256_srai_epi16(v, 8), 1);
+        }
+        const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(qx.q + 32 * b));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dd[j]), acc);
+      };
+      int64_t j = 0;
+      for (; j + 2 <= cb; j += 2) {
+        block(j, acc0);
+        block(j + 1, acc1);
+      }
+      if (j < cb) block(j, acc0);
+    }
+    out[n] = static_cast<T>(_mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + hsum(mins));
+  }
+}
 }  // namespace vnni
 #pragma GCC pop_options
 
@@ -105,7 +156,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
 #define ROWS(M, ISA) ISA::dot_rows<M, kQ4, T>(qx, K, c, d16, mins, orow, N, t0, t1)
         if (isa == 2) {
           switch (m) {
-            case 1: ROWS(1, vnni); break;
+            case 1: vnni::dot_row<kQ4, T>(qx, K, c, d16, mins, orow, t0, t1); break;
             case 2: ROWS(2, vnni); break;
             case 3: ROWS(3, vnni); break;
             case 4: ROWS(4, vnni); break;
