@@ -102,9 +102,10 @@ class ModelRunner:
             if packed or (quant_policy is not None and quant_policy.amx):  # kernels compiled pieces call
                 buckets = row_buckets(rows)
         # A whole decode step compiles where attention allows it and nothing else runs between its layers
-        # (a drafter's verify steps are not decodes; a KV connector is called around every layer).
+        # (a drafter's verify steps are not decodes; a KV connector is called around every layer; tensor-
+        # parallel ranks exchange partial sums through shared memory, which dynamo does not trace).
         compiled_decode = (self.attn_backend.compiled_decode_graphs and self.drafter is None
-                           and config.kv_transfer is None)
+                           and config.kv_transfer is None and tp.size == 1)
         graph_config = config.graph_config(platform.default_graph_config(int4_rows, buckets, compiled_decode))
         graphs_on = not config.enforce_eager and graph_config.mode is not GraphMode.NONE
         self.model.eval()

@@ -25,19 +25,27 @@ class FailingOnce:
         return self.fn(*args, **kwargs)
 
 
+# Where the fault is injected: the eager forward (graphs off), a graph replay (a decode of one request
+# replays the default's compiled graph), the sampler.
+OWNERS = {"forward": (lambda runner: runner.model, "forward"), "graph": (lambda runner: runner.graphs, "run"),
+          "sampler": (lambda runner: runner, "sampler")}
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
-@pytest.mark.parametrize("where", ["forward", "sampler"])
+@pytest.mark.parametrize("where", list(OWNERS))
 def test_a_fault_fails_its_step_and_the_engine_serves_the_rest(default_llm, async_scheduling, where):
     llm = LLM(dtype="float32", max_model_len=128, max_num_seqs=1, kv_cache_memory=8 << 20,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, enforce_eager=where == "forward")
     engine, runner = llm.engine, llm.engine.runner
     a, b = engine.make_request(PROMPT_A, PARAMS), engine.make_request(PROMPT_B, PARAMS)
     engine.add_request(a)
     engine.add_request(b)  # waits: one request at a time, so the fault hits only A's steps
-    owner = runner.model if where == "forward" else runner
-    name = "forward" if where == "forward" else "sampler"
+    get_owner, name = OWNERS[where]
+    owner = get_owner(runner)
     original = getattr(owner, name)
-    setattr(owner, name, FailingOnce(original, at=3))  # A's prefill and first decode went through
+    # The forward's third call is A's second decode (after its prefill and first decode); the graphs'
+    # third replay is A's third decode.
+    setattr(owner, name, FailingOnce(original, at=3))
     outputs, error = [], None
     try:
         while engine.has_unfinished_requests():
@@ -46,10 +54,10 @@ def test_a_fault_fails_its_step_and_the_engine_serves_the_rest(default_llm, asyn
             except RuntimeError as e:
                 error = e
     finally:
-        if where == "forward":
-            del runner.model.forward  # back to the class's method
-        else:
+        if where == "sampler":
             runner.sampler = original
+        else:
+            delattr(owner, name)  # back to the class's method
     assert error is not None and "injected fault" in str(error)
     finals = {o.request_id: o for o in outputs if o.finished}
     assert a.req_id not in finals  # failed: it never finishes

@@ -15,15 +15,22 @@ import pytest
 MRV2 = shutil.which("mrv2", path=os.path.dirname(sys.executable)) or "mrv2"
 
 
-def run(*args: str, input: str | None = None, exact: bool = True) -> subprocess.CompletedProcess:
-    """Run the `mrv2` command; in the exact fp32 reference mode unless `exact` is False or a dtype is given."""
+def run(*args: str, input: str | None = None, exact: bool = True, eager: bool = True) -> subprocess.CompletedProcess:
+    """Run the `mrv2` command; in the exact fp32 reference mode unless `exact` is False or a dtype is given.
+
+    `generate` and `chat` run eagerly (each process would compile its decode graph, some 8 s) unless `eager`
+    is False or graph options are given: these tests are about the command's options, the graphs' tokens
+    are tested in tests/runner and below with the default settings."""
     if exact and args[0] in ("generate", "chat", "bench") and "--dtype" not in args:
         args = (*args, "--dtype", "float32")
+    if eager and args[0] in ("generate", "chat") and not any(a.startswith("--graph") for a in args):
+        args = (*args, "--enforce-eager")
     return subprocess.run([MRV2, *args], input=input, capture_output=True, text=True, timeout=600)
 
 
 def test_generate_prints_the_completion(default_llm):
-    r = run("generate", "The capital of France is", "--max-tokens", "8", "--max-model-len", "512")
+    # The default settings: a decode of one request replays the compiled graph.
+    r = run("generate", "The capital of France is", "--max-tokens", "8", "--max-model-len", "512", eager=False)
     assert r.returncode == 0, r.stderr
     expected = default_llm.generate("The capital of France is", _greedy(8))[0].outputs[0].text
     assert r.stdout.strip() == expected.strip()

@@ -27,7 +27,7 @@ def test_eager_builds_no_graphs(eager):
     assert eager.engine.runner.graphs is None
 
 
-def test_cpu_default_is_eager_unless_small_steps_run_int4():
+def test_cpu_default_compiles_small_int4_steps_and_whole_decodes():
     from mrv2.layers.packed import row_buckets
     from mrv2.platforms import get_platform
 
@@ -45,7 +45,9 @@ def test_cpu_default_is_eager_unless_small_steps_run_int4():
         config = cpu.default_graph_config(int4_rows=rows, packed_buckets=row_buckets(64), compiled_decode=True)
         assert (config.mode, config.full_capture_sizes, config.compile) == (GraphMode.FULL_AND_PIECEWISE, (1,), True)
         assert config.capture_sizes[-5:] == (8, 16, 32, 48, 64)
-    assert cpu.default_graph_config(compiled_decode=True).mode is GraphMode.NONE
+    # A dense model: a decode of one request compiled whole where it can be, else eager.
+    config = cpu.default_graph_config(compiled_decode=True)
+    assert (config.mode, config.capture_sizes, config.compile) == (GraphMode.FULL, (1,), True)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 4, 5, 8, 12])  # hits (1, 4, 8), padded (3, 5), above the largest (12)
