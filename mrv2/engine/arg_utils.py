@@ -26,8 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--graph-mode", choices=["none", "piecewise", "full", "full_and_piecewise"], default=None,
                    help="full: whole decode steps; piecewise: layers between attention calls, any step; "
                         "full_and_piecewise: full where it fits, else piecewise "
-                        "(default: the platform's: full on CUDA/NPU; on the CPU compiled pieces and a compiled "
-                        "full graph for one request where small steps run on quantized kernels, else none)")
+                        "(default: the platform's: full on CUDA/NPU; on the CPU a compiled full graph for a decode "
+                        "of one request where attention allows it, and compiled pieces where small steps run on "
+                        "quantized kernels)")
     g.add_argument("--graph-capture-sizes", default=None,
                    help="comma-separated sizes to capture (requests for full, tokens for piecewise)")
     g.add_argument("--graph-compile", action=argparse.BooleanOptionalAction, default=None,

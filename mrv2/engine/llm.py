@@ -70,8 +70,8 @@ class LLM:
     else `kv_cache_memory_fraction` of the free device memory. `graph_mode` ("none";
     "full": whole uniform-decode steps; "piecewise": the layers between attention calls,
     any step; "full_and_piecewise": full where it fits, else piecewise; default: the
-    platform's, full on CUDA/NPU; on the CPU compiled pieces, and a compiled full graph for
-    a decode of one request, where small steps run on quantized kernels, else none) and
+    platform's, full on CUDA/NPU; on the CPU a compiled full graph for a decode of one request
+    where attention allows it, and compiled pieces where small steps run on quantized kernels) and
     `graph_capture_sizes` (requests for full, tokens for piecewise) set graph capture;
     `graph_compile` runs the graphs through torch.compile on the CPU (default: pieces
     compiled, full graphs re-run eagerly); `enforce_eager` turns it all off.
