@@ -6,7 +6,7 @@
 // A dense bf16 copy streams four times the bytes of Q4 weights from memory on every step; here the
 // tiles are dequantized once per call, whatever the rows, and reused by every 16 rows of x.
 //
-// Weights are laid out for the tiles at load (`mrv2.layers.quantization.AmxLayout`): for each tile
+// Weights are laid out for the tiles at load (`mrv2.layers.quantization.AmxTiles`): for each tile
 // of 16 output columns n and 32 input features k, 16 rows r holding the pairs (k = 2r, 2r + 1) of
 // every column, as AMX's bf16 B operand takes them:
 // - q4: [N / 16, K / 32, 16 r, 16 n] bytes, q(n, 2r) in the low nibble and q(n, 2r + 1) in the high
