@@ -23,6 +23,27 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
+
+// A thread reads its weight rows in order, a few hundred bytes a row, with a few instructions per
+// 64 bytes: each row touches the lines this far ahead in the codes (and the scales of as many rows
+// ahead), where the hardware prefetchers fall behind. Measured on the default model's Q8_0 LM head
+// (49152 x 576, one row of x, 2 vCPU Sapphire Rapids): 1.1-1.4 ms against 1.8-2.1 without.
+constexpr int64_t kPrefetchBytes = 2048;
+
+// Touches the lines `kPrefetchBytes` past `row` (a weight row of `row_bytes`) and the per-block scales
+// (and mins) of the row that far ahead; past the end of the weights it touches nothing that faults.
+
+inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint16_t* d16, const uint16_t* m16,
+                           int64_t nbp) {
+  const char* ahead = reinterpret_cast<const char*>(row) + kPrefetchBytes;
+  for (int64_t i = 0; i < row_bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+  const int64_t rows_ahead = (kPrefetchBytes + row_bytes - 1) / row_bytes;
+  for (int64_t i = 0; i < nbp * 2; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(d16 + rows_ahead * nbp) + i, _MM_HINT_T0);
+    if (m16 != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m16 + rows_ahead * nbp) + i, _MM_HINT_T0);
+  }
+}
+
 // Rows of x a pass over the weights serves, as many as keep their accumulators in registers:
 // 16 ymm registers with AVX2, 32 with AVX-512.
 constexpr int64_t kPassRowsAvx2 = 4, kPassRowsAvx512 = 8;
@@ -67,8 +88,10 @@ void dot_row(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16
   // 4i + 18), then bytes 1, 3's (4i + 1, 4i + 3) and their high nibbles: evens, then odds.
   const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
   alignas(64) float dd[kChunk];
+  const int64_t row_bytes = kQ4 ? K / 2 : K;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wrow = codes + n * (kQ4 ? K / 2 : K);
+    const uint8_t* wrow = codes + n * row_bytes;
+    prefetch_ahead(wrow, row_bytes, d16 + n * nbp, kQ4 ? m16 + n * nbp : nullptr, nbp);
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     __m256 mins = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += kChunk) {
