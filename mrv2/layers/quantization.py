@@ -161,11 +161,10 @@ class AmxTiles:
         return n % 16 == 0 and k % GGUF_BLOCK == 0
 
     @classmethod
-    def of(cls, weight: QuantizedWeight, codes: torch.Tensor, scales: torch.Tensor,
-           mins: torch.Tensor | None) -> AmxTiles:
-        """Tiles of `weight` from its codes ([N, K], q in 0..15 or int8) and fp16 per-block scales (and mins)."""
+    def of(cls, weight: QuantizedWeight, mins: torch.Tensor | None) -> AmxTiles:
+        """Tiles of `weight` (codes [N, K], q in 0..15 or int8) with its per-block `mins` (None for Q8_0)."""
         n, k = weight.shape
-        pairs = codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [tile n, tile k, r, n, pair]
+        pairs = weight.codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [tile n, tile k, r, n, pair]
         if mins is None:
             tiled = pairs.to(torch.int8).reshape(n // 16, k // 32, 16, 32)
         else:
@@ -175,7 +174,7 @@ class AmxTiles:
         def per_tile(t: torch.Tensor) -> torch.Tensor:
             return t.to(torch.float16).view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
 
-        return cls(tiled.contiguous(), per_tile(scales), None if mins is None else per_tile(mins))
+        return cls(tiled.contiguous(), per_tile(weight.scales), None if mins is None else per_tile(mins))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mins is None:
@@ -212,8 +211,7 @@ class BlockGemv:
             mins = -8 * weight.scales.float() if weight.qtype == "Q4_0" else weight.mins
             self.mins = _padded_halves(mins)
         self.gemv_rows = gemv_rows
-        self.amx = AmxTiles.of(weight, weight.codes, weight.scales, mins) \
-            if amx and AmxTiles.supports(weight) else None
+        self.amx = AmxTiles.of(weight, mins) if amx and AmxTiles.supports(weight) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()

@@ -32,7 +32,6 @@ constexpr int64_t kPrefetchBytes = 2048;
 
 // Touches the lines `kPrefetchBytes` past `row` (a weight row of `row_bytes`) and the per-block scales
 // (and mins) of the row that far ahead; past the end of the weights it touches nothing that faults.
-
 inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint16_t* d16, const uint16_t* m16,
                            int64_t nbp) {
   const char* ahead = reinterpret_cast<const char*>(row) + kPrefetchBytes;
