@@ -49,9 +49,23 @@ def test_every_instruction_set_computes_the_same_integer_dot_products():
     if len(ISAS) < 2:
         pytest.skip("this CPU runs one instruction set of the block GEMV")
     weight, _ = quantized("Q4_1", 64, 1536, seed=3)
-    x = torch.randn(3, 1536)
+    x = torch.randn(9, 1536)  # a pass of 8 rows and a single row: both AVX-512 kernels
     outs = [BlockGemv(weight, isa)(x) for isa in ISAS]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)  # only the float sums' order differs
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: GEMV_ISAS[i])
+@pytest.mark.parametrize("code", [0, 7, 8, 15])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_extreme_codes_and_activations_stay_exact(isa, code, sign):
+    # Every weight code the same and x at its largest int16 code everywhere: the largest
+    # products the integer sums hold (the single-row AVX-512 kernel keeps the top nibble signed).
+    n, k = 16, 256
+    weight = QuantizedWeight("Q4_1", torch.full((n, k), code, dtype=torch.uint8),
+                             torch.full((n, k // 32), 0.5, dtype=torch.float16), torch.full((n, k // 32), -1.0, dtype=torch.float16))
+    x = torch.full((1, k), sign * 3.0)
+    want = torch.full((1, n), sign * 3.0 * k * (0.5 * code - 1.0))
+    torch.testing.assert_close(BlockGemv(weight, isa)(x), want, rtol=1e-6, atol=1e-6)
 
 
 def test_leading_dims_and_a_large_vocabulary_head():

@@ -58,6 +58,7 @@ struct QuantizedX {
   const int16_t* q;
   const float* d;
   const float* s;
+  const float* g;  // 8 * d * the block's codes of x17, x19, ..., x31 (see vnni::dot_row)
 };
 
 #pragma GCC push_options
@@ -77,15 +78,28 @@ constexpr bool kVnni = true;
 // out[n] for weight rows [n0, n1) and one row of quantized x, 512 bits wide: a block's 32 weights
 // unpack into one register as [evens | odds], the order x's codes are stored in, for one vpdpwssd a
 // block (the 256-bit `dot_rows` takes two, and twice the unpacking).
+//
+// Q4 unpacks with one mask, no shifts: the block's 16 bytes as 8 int16 words sit in each 128-bit
+// lane L, and lane L keeps nibble L of every word (weights 2i, 2i + 16, 2i + 1, 2i + 17 of word i) in
+// place, as 16^L times the weight. Each lane's products are exact integer multiples of 16^L, scaled
+// back once a row (kLaneScales). Nibble 3 fills an int16's sign bit: it is flipped in the same
+// instruction, which makes the lane hold 4096 * (q - 8) for any q; the 8 * x17 + 8 * x19 + ... it
+// leaves out comes back per block with the mins (qx.g). Pairs of products stay below 2^31 in int32.
+// Two integer instructions a block where the shifts took three, on the ports the products need.
 template <bool kQ4, typename T>
 void dot_row(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, const uint16_t* m16,
              T* out, int64_t n0, int64_t n1) {
   constexpr int64_t kChunk = 64;  // blocks whose scales are converted at a time
   const int64_t nb = K / 32, nbp = padded_blocks(nb);
-  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
-  // Per 128-bit lane: the low nibbles of bytes 0, 2 (weights 4i, 4i + 2), then the high ones (4i + 16,
-  // 4i + 18), then bytes 1, 3's (4i + 1, 4i + 3) and their high nibbles: evens, then odds.
-  const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+  const __m512i lane_nibbles = _mm512_setr_epi32(0x000F000F, 0x000F000F, 0x000F000F, 0x000F000F,
+                                                 0x00F000F0, 0x00F000F0, 0x00F000F0, 0x00F000F0,
+                                                 0x0F000F00, 0x0F000F00, 0x0F000F00, 0x0F000F00,
+                                                 int(0xF000F000), int(0xF000F000), int(0xF000F000), int(0xF000F000));
+  const __m512i sign_flip = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, int(0x80008000),
+                                              int(0x80008000), int(0x80008000), int(0x80008000));
+  const __m512 lane_scales = _mm512_setr_ps(1.0f, 1.0f, 1.0f, 1.0f, 1.0f / 16, 1.0f / 16, 1.0f / 16, 1.0f / 16,
+                                            1.0f / 256, 1.0f / 256, 1.0f / 256, 1.0f / 256, 1.0f / 4096,
+                                            1.0f / 4096, 1.0f / 4096, 1.0f / 4096);
   alignas(64) float dd[kChunk];
   const int64_t row_bytes = kQ4 ? K / 2 : K;
   for (int64_t n = n0; n < n1; ++n) {
@@ -100,14 +114,15 @@ void dot_row(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16
         _mm256_store_ps(dd + j, _mm256_mul_ps(dw, _mm256_loadu_ps(qx.d + b0 + j)));
         if constexpr (kQ4) {
           mins = _mm256_fmadd_ps(_mm256_cvtph_ps(load128(m16 + n * nbp + b0 + j)), _mm256_loadu_ps(qx.s + b0 + j),
-                                 mins);
+                                 _mm256_fmadd_ps(dw, _mm256_loadu_ps(qx.g + b0 + j), mins));
         }
       }
       auto block = [&](int64_t j, __m512& acc) __attribute__((always_inline)) {
         const int64_t b = b0 + j;
         __m512i w;
         if constexpr (kQ4) {
-          w = _mm512_and_si512(_mm512_srlv_epi32(_mm512_broadcast_i32x4(load128(wrow + 16 * b)), shifts), nibbles);
+          // (codes AND lane_nibbles) XOR sign_flip
+          w = _mm512_ternarylogic_epi32(_mm512_broadcast_i32x4(load128(wrow + 16 * b)), lane_nibbles, sign_flip, 0x6A);
         } else {
           const __m256i v = load256(wrow + 32 * b);  // int16 lane i: weights 2i (low byte) and 2i + 1
           w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8)),
@@ -123,7 +138,9 @@ void dot_row(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16
       }
       if (j < cb) block(j, acc0);
     }
-    out[n] = static_cast<T>(_mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + hsum(mins));
+    const __m512 sum = _mm512_add_ps(acc0, acc1);
+    out[n] = static_cast<T>(kQ4 ? _mm512_reduce_add_ps(_mm512_fmadd_ps(sum, lane_scales, _mm512_zextps256_ps512(mins)))
+                                : _mm512_reduce_add_ps(sum));
   }
 }
 }  // namespace vnni
@@ -152,12 +169,22 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   const int64_t rows = x.size(0), K = x.size(1), N = codes.size(0), nb = K / kBlock;
   std::vector<int16_t> q(rows * K);
   const int64_t nbp = padded_blocks(nb);
-  std::vector<float> d(rows * nbp), s(rows * nbp);
+  std::vector<float> d(rows * nbp), s(rows * nbp), g(rows * nbp);
   const T* xp = x.data_ptr<T>();
   if (isa == 2) {
     vnni::quantize_x(xp, rows, nb, q.data(), d.data(), s.data());
   } else {
     avx2::quantize_x(xp, rows, nb, q.data(), d.data(), s.data());
+  }
+  if (kQ4 && isa == 2) {  // what vnni::dot_row's flipped sign bits leave out
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const int16_t* odd_high = q.data() + r * K + 32 * b + 24;  // x17, x19, ..., x31
+        int32_t sum = 0;
+        for (int i = 0; i < 8; ++i) sum += odd_high[i];
+        g[r * nbp + b] = 8.0f * d[r * nbp + b] * static_cast<float>(sum);
+      }
+    }
   }
   at::Tensor out = at::empty({rows, N}, x.options());
   const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
@@ -172,7 +199,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
     for (int64_t t0 = n0; t0 < n1; t0 += kTileRows) {
       const int64_t t1 = std::min(t0 + kTileRows, n1);
       for (int64_t r0 = 0; r0 < rows; r0 += pass_rows) {
-        const QuantizedX qx{q.data() + r0 * K, d.data() + r0 * nbp, s.data() + r0 * nbp};
+        const QuantizedX qx{q.data() + r0 * K, d.data() + r0 * nbp, s.data() + r0 * nbp, g.data() + r0 * nbp};
         T* orow = o + r0 * N;
         const int64_t m = std::min(pass_rows, rows - r0);
 #define ROWS(M, ISA) ISA::dot_rows<M, kQ4, T>(qx, K, c, d16, mins, orow, N, t0, t1)
