@@ -59,6 +59,11 @@ class CpuPlatform(Platform):
     # Host RAM is shared with everything else on the machine: unless told otherwise, the
     # cache takes at most this much (vLLM's CPU default is 4 GiB as well).
     kv_cache_cap_bytes = 4 * GiB
+    # The host's work (scheduling, input preparation, outputs) needs a core the compute threads
+    # use too, and hands the GIL to and from a worker thread: on 2 cores the serial loop measured
+    # 1.08x, 1.03x and 1.04x async's tok/s at batch 1, 16 and 64 (`mrv2 bench throughput --compare
+    # async`, median of 9 pairs).
+    default_async_scheduling = False
     ranks_share_memory = True
     # Tensors live in host RAM already; the exchange needs x86's store ordering.
     shm_collectives = platform.machine() in ("x86_64", "AMD64")
@@ -76,11 +81,6 @@ class CpuPlatform(Platform):
         if "cpp-paged" in names and (not self.gemv_isa() or load_cpu_kernels() is not None):
             return tuple(n for n in names if n != "cpp-paged")  # the kernel needs AVX2, FMA, F16C and a compiler
         return names
-
-    # Async scheduling stays on (the platform default): with the host thread on one intra-op
-    # thread and the worker on every core, `mrv2 bench throughput --compare async --batch-sizes
-    # 1,16,64 --input-len 32 --output-len 64` (each engine in its own process, bf16, 2 cores)
-    # measured async/serial medians of 1.020x, 1.030x and 1.085x over 9 pairs (Sapphire Rapids).
 
     def __init__(self, flags: frozenset[str] | None = None, vendor: str | None = None) -> None:
         # The CPU's feature flags and vendor (/proc/cpuinfo); tests pass others to exercise each branch.

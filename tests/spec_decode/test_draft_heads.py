@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mrv2 import LLM, SamplingParams
+from mrv2.platforms.cpu import CpuPlatform
 
 H, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 64, 4, 2, 16, 128, 512
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -122,13 +123,13 @@ def _check(target, spec_config, **kwargs):
         assert _outputs(spec, params) == _outputs(plain, params)
     stats = spec.engine.scheduler.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens > 0
-    # Drafts stay on the device: scheduling runs ahead of the outputs unless told otherwise.
-    assert spec.engine.config.async_scheduling == kwargs.get("async_scheduling", True)
+    # Drafts stay on the device: scheduling runs ahead of the outputs where asked.
+    assert spec.engine.config.async_scheduling == kwargs.get("async_scheduling", CpuPlatform.default_async_scheduling)
     assert spec.engine.scheduler.block_pool.is_whole()
     return spec
 
 
-CASES = [{}, {"async_scheduling": False}, {"max_num_batched_tokens": 16},
+CASES = [{"async_scheduling": True}, {"async_scheduling": False}, {"max_num_batched_tokens": 16},
          {"graph_mode": "piecewise", "graph_capture_sizes": [1, 2, 4, 8, 16]}]
 CASE_IDS = ["async", "serial", "chunked", "piecewise_graphs"]
 

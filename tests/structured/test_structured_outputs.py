@@ -89,7 +89,7 @@ def test_max_tokens_inside_the_structure_reports_length(llm):
 def test_async_serial_and_ngram_speculation_give_the_same_constrained_outputs(default_llm):
     # Seeded sampling draws the same tokens whatever the scheduling (fp32: batch shapes do not change
     # the logits): the masks must be the same too, also when tokens reach the matcher a step late
-    # (async, the reference) or as verified drafts (n-gram).
+    # (async) or as verified drafts (n-gram).
     prompt = "Repeat the record {\"user\": {\"name\": \"Ann\", \"age\": 31}, \"active\": true} as JSON:"
     params = SamplingParams(n=8, temperature=1.0, seed=7, max_tokens=60,
                             structured_outputs=StructuredOutputsParams(json=SCHEMAS["nested"]))
@@ -99,7 +99,7 @@ def test_async_serial_and_ngram_speculation_give_the_same_constrained_outputs(de
 
     reference = run(default_llm)
     kwargs = dict(dtype="float32", max_model_len=1024, max_num_seqs=16, kv_cache_memory=64 << 20)
-    for engine_kwargs in ({"async_scheduling": False},
+    for engine_kwargs in ({"async_scheduling": not default_llm.engine.config.async_scheduling},
                           {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}):
         other = LLM(**kwargs, **engine_kwargs)
         try:
