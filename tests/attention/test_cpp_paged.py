@@ -38,7 +38,7 @@ def _case(rows: int, heads: int, kv_heads: int, dim: int, dim_v: int, block_size
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("rows, heads, kv_heads, dim, dim_v, block_size, max_len", [
-    (1, 9, 3, 64, 64, 16, 160),  # the default model at batch 1
+    (1, 9, 3, 64, 64, 16, 160),  # the default model at batch 1: its KV heads split over the threads
     (64, 9, 3, 64, 64, 16, 97),  # at batch 64: split over the threads
     (3, 8, 8, 128, 128, 4, 33),  # one query head per KV head
     (5, 8, 2, 12, 20, 16, 40),  # head dims that are not multiples of the vector width, Dv != D
