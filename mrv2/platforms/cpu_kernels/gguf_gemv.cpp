@@ -82,7 +82,7 @@ constexpr bool kVnni = true;
 // Q4 unpacks with one mask, no shifts: the block's 16 bytes as 8 int16 words sit in each 128-bit
 // lane L, and lane L keeps nibble L of every word (weights 2i, 2i + 16, 2i + 1, 2i + 17 of word i) in
 // place, as 16^L times the weight. Each lane's products are exact integer multiples of 16^L, scaled
-// back once a row (kLaneScales). Nibble 3 fills an int16's sign bit: it is flipped in the same
+// back once a row (lane_scales). Nibble 3 fills an int16's sign bit: it is flipped in the same
 // instruction, which makes the lane hold 4096 * (q - 8) for any q; the 8 * x17 + 8 * x19 + ... it
 // leaves out comes back per block with the mins (qx.g). Pairs of products stay below 2^31 in int32.
 // Two integer instructions a block where the shifts took three, on the ports the products need.
