@@ -145,6 +145,13 @@ _COMPILE_OPTIONS = {"guard_filter_fn": replay_guards, "size_asserts": False, "al
                     "scalar_asserts": False}
 
 
+# Inductor's C++ wrapper, where asked: the code that calls a graph's kernels is compiled C++ rather
+# than Python. Built apart from the kernels, at -O0: a whole decoder's wrapper is thousands of lines
+# of calls, which g++ took 64 s to build with the kernels at -O3, against 7 s alone at -O0.
+_CPP_WRAPPER_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
+                        "aot_inductor.compile_wrapper_opt_level": "O0"}
+
+
 class CompiledGraphBackend(GraphBackend):
     """A torch.compile'd (Inductor) callable per captured shape; a replay runs it on the inputs it is given.
 
@@ -153,11 +160,13 @@ class CompiledGraphBackend(GraphBackend):
     pieces running one function over different modules (every layer's segment) share
     a compiled graph per input shape: compiles grow with capture sizes, not with layers.
     A replay calls the code dynamo made for its capture directly (`dynamo_entry`): a
-    captured piece runs over the same modules and tensors every time.
+    captured piece runs over the same modules and tensors every time. `cpp_wrapper` calls the
+    kernels from compiled C++ instead of Inductor's Python wrapper.
     """
 
-    def __init__(self, recompile_limit: int = 256) -> None:
+    def __init__(self, recompile_limit: int = 256, cpp_wrapper: bool = False) -> None:
         self.recompile_limit = recompile_limit
+        self.options = {**_COMPILE_OPTIONS, **(_CPP_WRAPPER_OPTIONS if cpp_wrapper else {})}
         self._compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
 
     def new_pool(self) -> None:
@@ -167,8 +176,7 @@ class CompiledGraphBackend(GraphBackend):
         func, args, kwargs = (fn.func, fn.args, fn.keywords) if isinstance(fn, partial) else (fn, (), {})
         compiled = self._compiled.get(func)
         if compiled is None:
-            compiled = self._compiled[func] = torch.compile(func, dynamic=False,
-                                                            options=_COMPILE_OPTIONS)
+            compiled = self._compiled[func] = torch.compile(func, dynamic=False, options=self.options)
         call = partial(compiled, *args, **kwargs)
         # Every capture size is one more specialization of the same code: allow them all.
         limit = self.recompile_limit

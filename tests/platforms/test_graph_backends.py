@@ -76,6 +76,23 @@ def test_compiled_replays_compute_over_the_inputs_given():
             torch.testing.assert_close(graph.replay(x), torch.relu(lin(x)))
 
 
+@pytest.mark.parametrize("cpp_wrapper", [True, False])
+def test_compiled_wrapper_is_cpp_where_asked(cpp_wrapper):
+    """The C++ wrapper calls the same kernels: replays equal eager, and the code made for the capture is a
+    C++ entry (its Python stub hands tensors over as AOTI handles) or Inductor's Python `call`."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    backend = CompiledGraphBackend(cpp_wrapper=cpp_wrapper)
+    lin = torch.nn.Linear(16, 16)
+    with torch.inference_mode():
+        graph, codes = run_and_get_code(lambda: backend.capture(partial(_linear_relu, lin), None, (torch.randn(4, 16),)))
+        assert len(codes) == 1 and ("torch._C._aoti" in codes[0]) is cpp_wrapper
+        for _ in range(2):
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(graph.replay(x), torch.relu(lin(x)))
+
+
 class _Shift(torch.nn.Module):
     def __init__(self, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -114,7 +131,9 @@ def test_platform_graph_backends():
     assert isinstance(CpuPlatform().graph_backend(full), EagerGraphBackend)
     assert isinstance(CpuPlatform().graph_backend(piecewise), CompiledGraphBackend)
     assert isinstance(CpuPlatform().graph_backend(replace(piecewise, compile=False)), EagerGraphBackend)
-    assert isinstance(CpuPlatform().graph_backend(replace(full, compile=True)), CompiledGraphBackend)
+    compiled_full = CpuPlatform().graph_backend(replace(full, compile=True))
+    assert isinstance(compiled_full, CompiledGraphBackend) and compiled_full.options["cpp_wrapper"]
+    assert not CpuPlatform().graph_backend(piecewise).options.get("cpp_wrapper")  # pieces keep Python's
     assert isinstance(CudaPlatform().graph_backend(full), CudaGraphBackend)  # constructing touches no device
     with pytest.raises(ValueError, match="compile"):
         CudaPlatform().graph_backend(replace(piecewise, compile=True))
