@@ -227,8 +227,10 @@ class CpuPlatform(Platform):
         # Piecewise on the CPU only pays compiled: uncompiled pieces are eager plus copies
         # (`mrv2 bench decode` times both). FULL graphs compile where asked (the default's whole
         # decode steps do), else re-run eagerly. A FULL graph calls a whole decoder's kernels, some
-        # 400 a step for the default model: from C++ rather than Inductor's Python wrapper. Pieces
-        # keep the Python one, which measured no slower at batches 16 and 64.
+        # 400 a step for the default model, from C++ rather than Inductor's Python wrapper: batch-1
+        # decode steps of the default model took 0.94x the time (median of 7 alternating pairs, 2
+        # vCPU Sapphire Rapids). Pieces keep the Python one: the C++ one measured no faster at
+        # batches 16 and 64.
         if not self._compiles(config):
             return EagerGraphBackend()
         return CompiledGraphBackend(cpp_wrapper=config.mode is GraphMode.FULL)
