@@ -29,6 +29,7 @@ copy holds it, then multiplied in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -191,7 +192,8 @@ class BlockGemv:
     batches of more than `gemv_rows` rows on its AMX block GEMM where `amx` (bf16 activations).
 
     Codes keep GGUF's layout (Q4: two a byte, weight j and j + 16 of a block in one byte);
-    scales and mins are fp16, as GGUF stores them (Q4_0 as Q4_1 with min -8d, exact in fp16).
+    scales and mins are fp16, as GGUF stores them (Q4_0 as Q4_1 with min -8d, exact in fp16), flat:
+    row after row, then `SCALE_TAIL` zeros (the kernel's last 8-wide load of a row reads past it).
     """
 
     def __init__(self, weight: QuantizedWeight, isa: int, amx: bool = False, gemv_rows: int = 0) -> None:
@@ -200,7 +202,7 @@ class BlockGemv:
         self.isa = isa
         self.out_features, self.in_features = weight.shape
         n, k = weight.shape
-        self.scales = _padded_halves(weight.scales)
+        self.scales = _flat_halves(weight.scales)
         if weight.qtype == "Q8_0":
             self.codes = weight.codes.to(torch.int8).contiguous()
             self.mins = None
@@ -209,7 +211,7 @@ class BlockGemv:
             blocks = weight.codes.to(torch.uint8).view(n, k // GGUF_BLOCK, GGUF_BLOCK)
             self.codes = (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(n, k // 2).contiguous()
             mins = -8 * weight.scales.float() if weight.qtype == "Q4_0" else weight.mins
-            self.mins = _padded_halves(mins)
+            self.mins = _flat_halves(mins)
         self.gemv_rows = gemv_rows
         self.amx = AmxTiles.of(weight, mins) if amx and AmxTiles.supports(weight) else None
 
@@ -229,19 +231,39 @@ class BlockGemv:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None) + (self.amx.nbytes if self.amx else 0)
 
 
-def _padded_halves(t: torch.Tensor) -> torch.Tensor:
-    """Per-block values as the kernel takes them: fp16, rows padded with zeros to a multiple of 8."""
-    pad = -t.shape[1] % 8
-    return torch.nn.functional.pad(t.to(torch.float16), (0, pad)).contiguous()
+def place_in_one_buffer(gemvs: list[BlockGemv], allocate: Callable[[int], torch.Tensor]) -> int:
+    """Move the GEMV weights of `gemvs` (codes, scales, mins; not the AMX tiles, which only larger batches
+    read) into one uint8 buffer from `allocate`, in list order, each at a 64-byte boundary: a batch-1 step
+    then reads one stretch of memory front to back. Returns the buffer's bytes."""
+    held = [(g, name) for g in gemvs for name in ("codes", "scales", "mins") if getattr(g, name) is not None]
+    sizes = [-(-getattr(g, name).nbytes // 64) * 64 for g, name in held]
+    buffer = allocate(sum(sizes))
+    at = 0
+    for (g, name), size in zip(held, sizes):
+        t = getattr(g, name)
+        view = buffer[at:at + t.nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        setattr(g, name, view)
+        at += size
+    return at
+
+
+SCALE_TAIL = 8  # kScaleTail in cpu_kernels/gguf_gemv.cpp
+
+
+def _flat_halves(t: torch.Tensor) -> torch.Tensor:
+    """Per-block values [N, K / 32] as the kernel takes them: fp16, flat, then SCALE_TAIL zeros."""
+    return torch.nn.functional.pad(t.to(torch.float16).flatten(), (0, SCALE_TAIL)).contiguous()
 
 
 def _fp16_exact(t: torch.Tensor) -> bool:
+    """Every value finite and exact in fp16 (the kernel's loads past a row's end rely on finite values)."""
     f = t.float()
-    return bool(torch.equal(f.to(torch.float16).float(), f))
+    return bool(torch.isfinite(f).all()) and bool(torch.equal(f.to(torch.float16).float(), f))
 
 
 def block_gemv_supports(weight: QuantizedWeight) -> bool:
-    """Whether `BlockGemv` holds `weight` exactly: whole blocks, and scales (and mins) that fp16 represents."""
+    """Whether `BlockGemv` holds `weight` exactly: whole blocks, and scales (and mins) finite and exact in fp16."""
     if weight.shape[1] % GGUF_BLOCK or not _fp16_exact(weight.scales):
         return False
     if weight.qtype == "Q4_0":

@@ -30,7 +30,8 @@ from mrv2.layers.embedding import VocabEmbedding
 from mrv2.layers.linear import Linear, TPSlice, pack_linears
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.packed import PACKED_DTYPES, pack_weight, packed_linear, packing_available
-from mrv2.layers.quantization import QuantizedMatmul, QuantizedWeight, quantized_matmul
+from mrv2.layers.quantization import (BlockGemv, QuantizedMatmul, QuantizedWeight, place_in_one_buffer,
+                                      quantized_matmul)
 from mrv2.models.weights import load_hf_weights
 
 
@@ -273,9 +274,12 @@ class CausalLM(nn.Module):
             packed += 1
         return packed
 
-    def finalize_quantization(self, policy: QuantPolicy) -> str | None:
+    def finalize_quantization(self, policy: QuantPolicy,
+                              allocate: Callable[[int], torch.Tensor] | None = None) -> str | None:
         """Place the weights that loaded quantized: int4 kernels for batches up to `policy.int4_max_rows`
         rows, and a dense copy for larger ones if all of it fits `policy.dense_budget` (else int4 only).
+        With `allocate` (a platform's `weight_storage`), the block GEMVs' weights move into one buffer
+        from it, layer by layer in the order a step reads them, then the LM head.
 
         Returns a line for the log, None when nothing loaded quantized.
         """
@@ -304,6 +308,9 @@ class CausalLM(nn.Module):
         if embed.weight is not None:
             embed.quantized = None  # the dense table serves lookups; the LM head has its own packs
         self._lm_head_quantized = None
+        gemvs = [g for g in [m.int4 for m in linears] + [self.lm_head_int4] if isinstance(g, BlockGemv)]
+        if allocate is not None and gemvs:
+            place_in_one_buffer(gemvs, allocate)
         int4 = sum(m.int4.nbytes for m in linears if m.int4 is not None)
         int4 += self.lm_head_int4.nbytes if self.lm_head_int4 is not None else 0
         if policy.amx:

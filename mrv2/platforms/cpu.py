@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 from functools import lru_cache
@@ -72,6 +73,23 @@ class CpuPlatform(Platform):
     # compiled by Inductor (`mrv2.attention.paged_decode`: 2-3x the gather + SDPA path); the gather
     # path where no C++ compiler is found.
     attention_backends = MappingProxyType({"gqa": ("cpp-paged", "inductor-paged", "torch"), "mla": ("torch-mla",)})
+
+    def weight_storage(self, nbytes: int) -> torch.Tensor:
+        """Memory backed by 2 MiB pages (transparent huge pages, asked for with madvise) where the kernel
+        offers them. A batch-1 step streams ~95 MB of weights: with 4 KiB pages that is ~24,000 TLB misses
+        and as many restarts of the hardware prefetchers, which stop at 4 KiB page boundaries. The
+        default model's 120 layer GEMVs and its LM head, back to back: 5.87 ms a step on 2 MiB pages
+        against 6.2 ms on 4 KiB ones (2 vCPU Sapphire Rapids, median of 8 rounds)."""
+        huge = 2 << 20
+        try:
+            # Private: anonymous shared memory is shmem, whose huge pages are a separate (usually off) setting.
+            buf = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError, ValueError):  # no MADV_HUGEPAGE here (not Linux, or no THP)
+            return super().weight_storage(nbytes)
+        whole = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` alive as long as any view of it
+        start = -whole.data_ptr() % huge
+        return whole[start:start + nbytes]
 
     def is_available(self) -> bool:
         return True

@@ -88,6 +88,11 @@ class Platform(ABC):
     def load_quant_kernels(self, policy: QuantPolicy) -> None:
         """Load the kernels `policy` runs into this process (a runner's, which may not be the engine's)."""
 
+    def weight_storage(self, nbytes: int) -> torch.Tensor:
+        """One uint8 buffer of `nbytes` on the device for weights every decode step streams through
+        (`Model.finalize_quantization` places the block GEMVs' weights in it, in the order a step reads them)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
     def linear_pack_rows(self, dtype: torch.dtype) -> int | None:
         """Rows to pack dense linear weights for (`layers/packed.py`) at `dtype`, or None to keep
         plain weights (the base platform: no packed kernels)."""

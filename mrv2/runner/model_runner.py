@@ -78,7 +78,7 @@ class ModelRunner:
         self.model.load_weights(weights)
         if quant_policy is not None:
             platform.load_quant_kernels(quant_policy)
-            if placed := self.model.finalize_quantization(quant_policy):
+            if placed := self.model.finalize_quantization(quant_policy, platform.weight_storage):
                 logger.info("Quantized weights: %s", placed)
         spec = config.speculative
         self.drafter: Drafter | None = None

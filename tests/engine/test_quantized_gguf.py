@@ -72,6 +72,18 @@ def test_quantization_modes_place_weights_as_asked(engines):
         assert all(isinstance(k, BlockGemv) == block for k in kernels)
 
 
+def test_block_gemv_weights_lie_in_one_buffer_in_the_order_a_step_reads_them(engines):
+    llm = engines["auto"]
+    if not llm.engine.runner.platform.gemv_isa():
+        pytest.skip("this CPU has no block GEMV")
+    kernels = [m.int4 for m in _linears(llm)] + [llm.engine.runner.model.lm_head_int4]
+    tensors = [t for k in kernels for t in (k.codes, k.scales, k.mins) if t is not None]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    starts = [t.data_ptr() for t in tensors]
+    assert starts == sorted(starts) and all(p % 64 == 0 for p in starts)
+    assert all(a + t.nbytes <= b for a, t, b in zip(starts, tensors, starts[1:]))  # no two overlap
+
+
 def test_int4_steps_and_packed_steps_replay_compiled_pieces(engines):
     runner = engines["auto"].engine.runner
     graphs = runner.graphs

@@ -30,16 +30,16 @@ constexpr int64_t kBlock = 32;
 // (49152 x 576, one row of x, 2 vCPU Sapphire Rapids): 1.1-1.4 ms against 1.8-2.1 without.
 constexpr int64_t kPrefetchBytes = 2048;
 
-// Touches the lines `kPrefetchBytes` past `row` (a weight row of `row_bytes`) and the per-block scales
-// (and mins) of the row that far ahead; past the end of the weights it touches nothing that faults.
+// Touches the lines `kPrefetchBytes` past `row` (a weight row of `row_bytes`) and the `nb` per-block
+// scales (and mins) of the row that far ahead; past the end of the weights it touches nothing that faults.
 inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint16_t* d16, const uint16_t* m16,
-                           int64_t nbp) {
+                           int64_t nb) {
   const char* ahead = reinterpret_cast<const char*>(row) + kPrefetchBytes;
   for (int64_t i = 0; i < row_bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
   const int64_t rows_ahead = (kPrefetchBytes + row_bytes - 1) / row_bytes;
-  for (int64_t i = 0; i < nbp * 2; i += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(d16 + rows_ahead * nbp) + i, _MM_HINT_T0);
-    if (m16 != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m16 + rows_ahead * nbp) + i, _MM_HINT_T0);
+  for (int64_t i = 0; i < nb * 2; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(d16 + rows_ahead * nb) + i, _MM_HINT_T0);
+    if (m16 != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m16 + rows_ahead * nb) + i, _MM_HINT_T0);
   }
 }
 
@@ -48,9 +48,13 @@ inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint16_t
 constexpr int64_t kPassRowsAvx2 = 4, kPassRowsAvx512 = 8;
 constexpr int64_t kTileRows = 16;  // weight rows every pass reads while they are in cache
 
-// Rows of per-block values (scales, mins, x's block scales and sums) are padded to whole
-// 8-float vectors, so that they are converted and multiplied without scalar tails.
+// Rows of x's per-block values (scales, sums) are padded with zeros to whole 8-float vectors, so that
+// they are converted and multiplied without scalar tails. The weights' scales and mins are stored
+// unpadded (every byte of them is read each step), a row right after the previous one, with
+// kScaleTail zeros after the last row: the 8-wide loads past a row's end read the next row's values
+// (or the tail), which x's zero padding multiplies away.
 constexpr int64_t padded_blocks(int64_t blocks) { return (blocks + 7) / 8 * 8; }
+constexpr int64_t kScaleTail = 8;
 
 // Rows of x as int16 codes per 32-value block, with each block's scale and exact sum (rows of
 // padded_blocks values).
@@ -90,7 +94,7 @@ template <bool kQ4, typename T>
 void dot_row(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, const uint16_t* m16,
              T* out, int64_t n0, int64_t n1) {
   constexpr int64_t kChunk = 64;  // blocks whose scales are converted at a time
-  const int64_t nb = K / 32, nbp = padded_blocks(nb);
+  const int64_t nb = K / 32;
   const __m512i lane_nibbles = _mm512_setr_epi32(0x000F000F, 0x000F000F, 0x000F000F, 0x000F000F,
                                                  0x00F000F0, 0x00F000F0, 0x00F000F0, 0x00F000F0,
                                                  0x0F000F00, 0x0F000F00, 0x0F000F00, 0x0F000F00,
@@ -104,16 +108,16 @@ void dot_row(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16
   const int64_t row_bytes = kQ4 ? K / 2 : K;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wrow = codes + n * row_bytes;
-    prefetch_ahead(wrow, row_bytes, d16 + n * nbp, kQ4 ? m16 + n * nbp : nullptr, nbp);
+    prefetch_ahead(wrow, row_bytes, d16 + n * nb, kQ4 ? m16 + n * nb : nullptr, nb);
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     __m256 mins = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += kChunk) {
       const int64_t cb = std::min(kChunk, nb - b0);
       for (int64_t j = 0; j < cb; j += 8) {
-        const __m256 dw = _mm256_cvtph_ps(load128(d16 + n * nbp + b0 + j));
+        const __m256 dw = _mm256_cvtph_ps(load128(d16 + n * nb + b0 + j));
         _mm256_store_ps(dd + j, _mm256_mul_ps(dw, _mm256_loadu_ps(qx.d + b0 + j)));
         if constexpr (kQ4) {
-          mins = _mm256_fmadd_ps(_mm256_cvtph_ps(load128(m16 + n * nbp + b0 + j)), _mm256_loadu_ps(qx.s + b0 + j),
+          mins = _mm256_fmadd_ps(_mm256_cvtph_ps(load128(m16 + n * nb + b0 + j)), _mm256_loadu_ps(qx.s + b0 + j),
                                  _mm256_fmadd_ps(dw, _mm256_loadu_ps(qx.g + b0 + j), mins));
         }
       }
@@ -157,10 +161,11 @@ void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale
                   codes.size(1) == K / kBlock * code_cols_per_block,
               "codes must be contiguous [out_features, ", K / kBlock * code_cols_per_block, "] of ", code_type,
               ", got ", codes.sizes(), " of ", codes.scalar_type());
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == codes.size(0) && scales.size(1) == padded_blocks(K / kBlock),
-              "scales must be contiguous fp16 [out_features, ", padded_blocks(K / kBlock),
-              "] (a scale per 32 in_features, zeros to a multiple of 8), got ", scales.sizes());
+  const int64_t length = codes.size(0) * (K / kBlock) + kScaleTail;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 1 &&
+                  scales.size(0) == length,
+              "scales must be contiguous fp16 [", length, "] (out_features rows of a scale per 32 in_features, then ",
+              kScaleTail, " zeros), got ", scales.sizes());
 }
 
 template <bool kQ4, typename T>

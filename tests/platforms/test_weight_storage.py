@@ -1,0 +1,54 @@
+"""Where platforms put the weights every decode step streams through."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mrv2.layers.quantization import BlockGemv, place_in_one_buffer
+from mrv2.platforms.cpu import CpuPlatform
+from mrv2.platforms.cpu_kernels import load_cpu_kernels
+from quant_helpers import quantized
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _mapping_of(address: int) -> str:
+    """This process's /proc/self/smaps entry of the mapping that holds `address`."""
+    entries = re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text())
+    for entry in entries:
+        start, end = (int(a, 16) for a in entry.split(None, 1)[0].split("-"))
+        if start <= address < end:
+            return entry
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_cpu_weight_storage_is_aligned_to_huge_pages_and_asks_for_them():
+    buffer = CpuPlatform().weight_storage(3 << 20)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 3 << 20 and buffer.is_contiguous()
+    buffer.fill_(7)  # writable, every byte
+    assert int(buffer.sum()) == 7 * (3 << 20)
+    if not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text():
+        pytest.skip("no transparent huge pages on this machine")
+    assert buffer.data_ptr() % (2 << 20) == 0
+    assert re.search(r"^THPeligible:\s+1$", _mapping_of(buffer.data_ptr()), re.M)
+
+
+def test_gemvs_placed_in_one_buffer_compute_what_they_did():
+    isa = CpuPlatform().gemv_isa()
+    if not isa or load_cpu_kernels() is not None:
+        pytest.skip("this CPU has no block GEMV")
+    gemvs = [BlockGemv(quantized(qtype, n, k, seed=n)[0], isa)
+             for qtype, n, k in (("Q4_1", 40, 384), ("Q8_0", 24, 96), ("Q4_0", 16, 64))]
+    xs = [torch.randn(3, g.in_features, dtype=torch.bfloat16) for g in gemvs]
+    before = [g(x) for g, x in zip(gemvs, xs)]
+    nbytes = place_in_one_buffer(gemvs, CpuPlatform().weight_storage)
+    held = [t for g in gemvs for t in (g.codes, g.scales, g.mins) if t is not None]
+    assert nbytes == sum(-(-t.nbytes // 64) * 64 for t in held)
+    assert len({t.untyped_storage().data_ptr() for t in held}) == 1
+    for g, x, y in zip(gemvs, xs, before):
+        assert torch.equal(g(x), y)
