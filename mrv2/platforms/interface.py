@@ -90,7 +90,7 @@ class Platform(ABC):
 
     def weight_storage(self, nbytes: int) -> torch.Tensor:
         """One uint8 buffer of `nbytes` on the device for weights every decode step streams through
-        (`Model.finalize_quantization` places the block GEMVs' weights in it, in the order a step reads them)."""
+        (`CausalLM.finalize_quantization` places the block GEMVs' weights in it, in the order a step reads them)."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def linear_pack_rows(self, dtype: torch.dtype) -> int | None:
