@@ -11,6 +11,7 @@ each piece's result to the next without copies.
 
 from __future__ import annotations
 
+import dis
 import functools
 import importlib
 import inspect
@@ -22,6 +23,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 logger = logging.getLogger("mrv2")
 
@@ -112,6 +114,22 @@ def replay_guards(entries: list[Any]) -> list[bool]:
 _signature = functools.cache(inspect.signature)
 
 
+def _entry_code(func: Callable[..., Any], args: tuple, kwargs: dict) -> types.CodeType | None:
+    code = getattr(func, "__code__", None)
+    if code is None or code.co_freevars:  # a closure's cells cannot be rebuilt from its code
+        return None
+    try:
+        bound = _signature(func).bind(*args, **kwargs)
+        bound.apply_defaults()
+        frame_locals = dict(bound.arguments)
+        for entry in torch._dynamo.eval_frame._debug_get_cache_entry_list(code):
+            if entry.guard_manager.check(frame_locals):
+                return entry.code
+    except (AttributeError, TypeError, ValueError) as e:  # a dynamo without these internals: dispatch through it
+        logger.debug("no direct entry for %s: %s", func.__name__, e)
+    return None
+
+
 def dynamo_entry(func: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[..., Any] | None:
     """The code torch.compile made for `func(*args, **kwargs)`, as a plain function; None if there is none.
 
@@ -122,19 +140,83 @@ def dynamo_entry(func: Callable[..., Any], args: tuple, kwargs: dict) -> Callabl
     cost). Only for calls whose arguments pass the same guards: the same modules and tensors
     of the same shapes, strides and dtypes, as in a captured piece.
     """
-    code = getattr(func, "__code__", None)
-    if code is None or code.co_freevars:  # a closure's cells cannot be rebuilt from its code
+    code = _entry_code(func, args, kwargs)
+    return None if code is None else types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__)
+
+
+# A rewritten frame that does no more than gather the graph's arguments, call it and unpack its results
+# calls nothing else but these, from dynamo's utilities (profiling marks, a tensor's size as an argument);
+# one that replays side effects (attribute stores, list updates) calls more, or stores.
+_PURE_UTILS = frozenset({"record_pregraph_bytecode_enter", "record_pregraph_bytecode_exit", "call_size"})
+_STORES = frozenset({"STORE_ATTR", "STORE_SUBSCR", "STORE_GLOBAL", "DELETE_ATTR", "DELETE_SUBSCR", "DELETE_GLOBAL",
+                     "LOAD_METHOD", "IMPORT_NAME"})
+
+
+@functools.cache  # pieces of one shape share their code
+def _only_calls_its_graph(code: types.CodeType, graph: str) -> bool:
+    ins = list(dis.get_instructions(code))
+    callables = 0
+    for i, op in enumerate(ins):
+        if op.opname in _STORES:
+            return False
+        if op.opname == "LOAD_GLOBAL":
+            nxt = ins[i + 1] if i + 1 < len(ins) else None
+            if op.argval != graph and not (nxt is not None and nxt.opname == "LOAD_ATTR" and nxt.argval in _PURE_UTILS):
+                return False
+            callables += 1
+    return sum(op.opname == "CALL" for op in ins) == callables
+
+
+def _positions(found: list[Any], among: tuple) -> list[int]:
+    return [next((i for i, x in enumerate(among) if x is t), -1) for t in found]
+
+
+def graph_call(func: Callable[..., Any], args: tuple, kwargs: dict,
+               inputs: tuple[GraphInput, ...]) -> Callable[..., Any] | None:
+    """`func(*args, *inputs, **kwargs)` as one call of the graph torch.compile made for it; None where it is not.
+
+    The rewritten frame (`dynamo_entry`) reads every parameter and buffer the graph takes off
+    the modules on each call (a decoder's FULL graph takes 431 arguments), then unpacks the
+    graph's results. Where the frame calls one graph and nothing else, its arguments are
+    recorded once, running it, and a replay passes the recorded list with `inputs` put in
+    their places: the same tensors a call through the frame would read, as the modules and
+    buffers of a captured piece never change. The call returns what `func` returns, its
+    tensors found among the graph's results by identity (nested tuples of them kept).
+    """
+    code = _entry_code(func, args + inputs, kwargs)
+    if code is None:
         return None
-    try:
-        bound = _signature(func).bind(*args, **kwargs)
-        bound.apply_defaults()
-        frame_locals = dict(bound.arguments)
-        for entry in torch._dynamo.eval_frame._debug_get_cache_entry_list(code):
-            if entry.guard_manager.check(frame_locals):
-                return types.FunctionType(entry.code, func.__globals__, func.__name__, func.__defaults__)
-    except (AttributeError, TypeError, ValueError) as e:  # a dynamo without these internals: dispatch through it
-        logger.debug("no direct entry for %s: %s", func.__name__, e)
-    return None
+    graphs = [n for n in code.co_names if n.startswith("__compiled_fn")]
+    if len(graphs) != 1 or not _only_calls_its_graph(code, graphs[0]):
+        return None
+    graph = func.__globals__[graphs[0]]
+    seen: list[Any] = []
+
+    def record(*flat: Any) -> Any:
+        seen.append(flat)
+        seen.append(graph(*flat))
+        return seen[-1]
+
+    probe = types.FunctionType(code, {**func.__globals__, graphs[0]: record}, func.__name__, func.__defaults__)
+    leaves, spec = pytree.tree_flatten(probe(*args, *inputs, **kwargs))
+    flat, outs = seen
+    picks = _positions(leaves, tuple(outs))
+    slots = _positions([x for x in inputs if x is not None], flat)
+    if -1 in picks or -1 in slots or not all(isinstance(x, torch.Tensor) for x in leaves):
+        return None
+    template = list(flat)
+    for i in slots:
+        template[i] = None  # the capture's own inputs are not kept alive
+    where = [j for j, x in enumerate(inputs) if x is not None]
+
+    def call(*given: GraphInput) -> Any:
+        flat_args = list(template)
+        for i, j in zip(slots, where):
+            flat_args[i] = given[j]
+        out = graph(*flat_args)
+        return pytree.tree_unflatten([out[i] for i in picks], spec)
+
+    return call
 
 
 # Inductor checks the size, stride and alignment of every input and every extern kernel's
@@ -159,8 +241,9 @@ class CompiledGraphBackend(GraphBackend):
     `mrv2 bench compile`). A `functools.partial` is compiled through its function, so
     pieces running one function over different modules (every layer's segment) share
     a compiled graph per input shape: compiles grow with capture sizes, not with layers.
-    A replay calls the code dynamo made for its capture directly (`dynamo_entry`): a
-    captured piece runs over the same modules and tensors every time. `cpp_wrapper` calls the
+    A replay calls the graph dynamo made for its capture directly, with the arguments its
+    frame gathered at capture (`graph_call`): a captured piece runs over the same modules
+    and tensors every time. `cpp_wrapper` calls the
     kernels from compiled C++ instead of Inductor's Python wrapper.
     """
 
@@ -182,8 +265,8 @@ class CompiledGraphBackend(GraphBackend):
         limit = self.recompile_limit
         with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit):
             output = call(*inputs)
-        entry = dynamo_entry(func, args + inputs, kwargs)
-        return _HostGraph(output, call if entry is None else partial(entry, *args, **kwargs))
+        direct = graph_call(func, args, kwargs, inputs)
+        return _HostGraph(output, call if direct is None else direct)
 
 
 class _DeviceGraph(CapturedGraph):

@@ -182,3 +182,60 @@ def test_compiled_replays_call_the_captured_code_without_dynamo():
         out = graph.replay()
         assert counters["stats"]["unique_graphs"] == compiles
         torch.testing.assert_close(out, torch.relu(lin(x)))
+
+
+def _two_outputs(linear, x):
+    y = linear(x)
+    return torch.relu(y), y * 2
+
+
+def test_direct_graph_calls_take_inputs_in_place_and_return_the_functions_results():
+    """`graph_call` passes the arguments the frame gathered at capture, with a replay's inputs in place of
+    the capture's (which it does not keep alive), and returns what the function returned, tuples included."""
+    import gc
+    import weakref
+
+    from mrv2.platforms.graphs import graph_call
+
+    torch._dynamo.reset()
+    backend = CompiledGraphBackend()
+    lin = torch.nn.Linear(16, 16)
+    with torch.inference_mode():
+        captured = torch.randn(4, 16)
+        graph = backend.capture(partial(_two_outputs, lin), None, (captured,))
+        assert graph_call(_two_outputs, (lin,), {}, (torch.randn(4, 16),)) is not None
+        alive = weakref.ref(captured)
+        del captured
+        gc.collect()
+        assert alive() is None
+        x = torch.randn(4, 16)
+        relu, doubled = graph.replay(x)
+        torch.testing.assert_close(relu, torch.relu(lin(x)))
+        torch.testing.assert_close(doubled, lin(x) * 2)
+
+
+class _Remembering(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = None
+
+    def forward(self, x):
+        self.last = x * 2
+        return self.last + 1
+
+
+def test_frames_with_side_effects_run_whole_on_every_replay():
+    """A traced frame that stores an attribute replays the store after its graph: no direct call skips it."""
+    from mrv2.platforms.graphs import dynamo_entry, graph_call
+
+    torch._dynamo.reset()
+    backend = CompiledGraphBackend()
+    module, x = _Remembering(), torch.ones(4)
+    with torch.inference_mode():
+        graph = backend.capture(partial(_Remembering.forward, module, x), None)
+        assert dynamo_entry(_Remembering.forward, (module, x), {}) is not None
+        assert graph_call(_Remembering.forward, (module, x), {}, ()) is None
+        x.fill_(3.0)
+        out = graph.replay()
+        torch.testing.assert_close(out, torch.full((4,), 7.0))
+        torch.testing.assert_close(module.last, torch.full((4,), 6.0))
