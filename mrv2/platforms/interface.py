@@ -93,6 +93,10 @@ class Platform(ABC):
         (`CausalLM.finalize_quantization` places the block GEMVs' weights in it, in the order a step reads them)."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
+    def zeroed_storage(self, nbytes: int) -> torch.Tensor:
+        """One zeroed uint8 buffer of `nbytes` on the device (the KV cache)."""
+        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+
     def linear_pack_rows(self, dtype: torch.dtype) -> int | None:
         """Rows to pack dense linear weights for (`layers/packed.py`) at `dtype`, or None to keep
         plain weights (the base platform: no packed kernels)."""

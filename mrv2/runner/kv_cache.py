@@ -16,6 +16,7 @@ default, 2 MiB when a KV transfer is configured).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,14 +83,16 @@ def num_blocks_for_budget(specs: list[KVCacheSpec], layout: KVLayout, block_size
 
 
 def allocate_kv_cache(specs: list[KVCacheSpec], layout: KVLayout, num_blocks: int, block_size: int,
-                      alignment: int, device: torch.device) -> KVCache:
-    """Allocate one zeroed raw buffer and cut every layer's (aligned) views from it."""
+                      alignment: int, device: torch.device,
+                      allocate: Callable[[int], torch.Tensor] | None = None) -> KVCache:
+    """Allocate one zeroed raw buffer (`allocate(nbytes)`, uint8 on `device`; torch.zeros if not given)
+    and cut every layer's (aligned) views from it."""
     if num_blocks < 2:
         raise ValueError(f"the KV cache needs at least 2 blocks (one is reserved), got {num_blocks}")
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a positive power of two, got {alignment}")
-    raw = torch.zeros(kv_cache_bytes(specs, layout, num_blocks, block_size, alignment),
-                      dtype=torch.uint8, device=device)
+    nbytes = kv_cache_bytes(specs, layout, num_blocks, block_size, alignment)
+    raw = torch.zeros(nbytes, dtype=torch.uint8, device=device) if allocate is None else allocate(nbytes)
     offset = -raw.data_ptr() % alignment
     layers = []
     for spec in specs:

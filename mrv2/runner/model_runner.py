@@ -203,7 +203,7 @@ class ModelRunner:
             raise ValueError(f"attention backend {self.attn_backend.name!r} does not support KV layout "
                              f"{self.config.cache.layout!r}")
         self.kv_cache = allocate_kv_cache(self.kv_cache_specs(), self.config.cache.layout, num_blocks,
-                                          self.block_size, alignment, self.device)
+                                          self.block_size, alignment, self.device, self.platform.zeroed_storage)
         layers = self.model.attention_layers() + (self.drafter.head.attention_layers() if self.drafter else [])
         self._attention_layers = layers
         for layer, cache in zip(layers, self.kv_cache.layers, strict=True):

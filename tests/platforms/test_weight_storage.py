@@ -1,4 +1,4 @@
-"""Where platforms put the weights every decode step streams through."""
+"""Where platforms put the weights every decode step streams through, and the KV cache."""
 
 from __future__ import annotations
 
@@ -52,3 +52,23 @@ def test_gemvs_placed_in_one_buffer_compute_what_they_did():
     assert len({t.untyped_storage().data_ptr() for t in held}) == 1
     for g, x, y in zip(gemvs, xs, before):
         assert torch.equal(g(x), y)
+
+
+def _rss_bytes() -> int:
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)) * 1024
+
+
+def test_cpu_zeroed_storage_is_zero_and_takes_memory_only_where_written():
+    """The KV cache's memory: zero everywhere, without writing it first (the kernel zeroes pages on first
+    touch), so a GiB buffer is ready at once and RAM follows the blocks in use."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc")
+    before = _rss_bytes()
+    buffer = CpuPlatform().zeroed_storage(1 << 30)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 1 << 30
+    assert _rss_bytes() - before < 64 << 20
+    stride = 1 << 20  # one byte a MiB: every page read is zero
+    assert not buffer[::stride].any()
+    buffer[: 8 << 20].fill_(1)
+    assert int(buffer[: 8 << 20].sum()) == 8 << 20 and not buffer[8 << 20:: stride].any()
+    assert _rss_bytes() - before < 128 << 20
