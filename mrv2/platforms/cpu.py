@@ -80,13 +80,14 @@ class CpuPlatform(Platform):
         and as many restarts of the hardware prefetchers, which stop at 4 KiB page boundaries. The
         default model's 120 layer GEMVs and its LM head, back to back: 5.87 ms a step on 2 MiB pages
         against 6.2 ms on 4 KiB ones (2 vCPU Sapphire Rapids, median of 8 rounds)."""
-        return _anonymous_pages(nbytes)
+        return _anonymous_pages(nbytes, huge_pages=True)
 
     def zeroed_storage(self, nbytes: int) -> torch.Tensor:
         """Anonymous memory, which the kernel zeroes a page at a time where it is first touched: a 4 GiB
-        KV cache is ready at once (torch.zeros wrote it all before the engine started: 5-9 s here), and
-        RAM is taken as blocks are used. On huge pages where offered, as decode attention reads it."""
-        return _anonymous_pages(nbytes)
+        KV cache is ready at once (torch.zeros wrote it all before the engine started: 12 s on a 2 vCPU
+        VM), and RAM is taken as blocks are used. On 4 KiB pages: a new block touches a few KiB in each
+        layer's region, and a huge page there would be a 2 MiB zeroing (and compaction) each time."""
+        return _anonymous_pages(nbytes, huge_pages=False)
 
     def is_available(self) -> bool:
         return True
@@ -288,16 +289,18 @@ class CpuPlatform(Platform):
     full_decode_max_reqs = 1
 
 
-def _anonymous_pages(nbytes: int) -> torch.Tensor:
+def _anonymous_pages(nbytes: int, huge_pages: bool) -> torch.Tensor:
     """`nbytes` of private anonymous memory (zero until written), 2 MiB aligned, on transparent huge pages
-    where the kernel offers them; plain zeroed memory where mmap or madvise is missing."""
+    where asked and the kernel offers them (else on 4 KiB ones); plain zeroed memory where mmap or madvise
+    is missing."""
     huge = 2 << 20
     try:
         # Private: anonymous shared memory is shmem, whose huge pages are a separate (usually off) setting.
         buf = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buf.madvise(mmap.MADV_HUGEPAGE)
+        buf.madvise(mmap.MADV_HUGEPAGE if huge_pages else mmap.MADV_NOHUGEPAGE)
     except (AttributeError, OSError, ValueError):  # no MADV_HUGEPAGE here (not Linux, or no THP)
         return torch.zeros(nbytes, dtype=torch.uint8)
-    whole = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` alive as long as any view of it
-    start = -whole.data_ptr() % huge
-    return whole[start:start + nbytes]
+    start = -torch.frombuffer(buf, dtype=torch.uint8).data_ptr() % huge
+    # A tensor of its own storage (offset 0; it keeps `buf` alive): compiled code takes the KV cache as an
+    # argument, and Inductor compiles slower code for inputs at a storage offset (not known aligned).
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start)
