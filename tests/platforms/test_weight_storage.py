@@ -30,6 +30,7 @@ def _mapping_of(address: int) -> str:
 def test_cpu_weight_storage_is_aligned_to_huge_pages_and_asks_for_them():
     buffer = CpuPlatform().weight_storage(3 << 20)
     assert buffer.dtype == torch.uint8 and buffer.numel() == 3 << 20 and buffer.is_contiguous()
+    assert buffer.storage_offset() == 0  # compiled code takes it as an argument: offsets cost aligned loads
     buffer.fill_(7)  # writable, every byte
     assert int(buffer.sum()) == 7 * (3 << 20)
     if not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text():
@@ -65,7 +66,7 @@ def test_cpu_zeroed_storage_is_zero_and_takes_memory_only_where_written():
         pytest.skip("reads /proc")
     before = _rss_bytes()
     buffer = CpuPlatform().zeroed_storage(1 << 30)
-    assert buffer.dtype == torch.uint8 and buffer.numel() == 1 << 30
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 1 << 30 and buffer.storage_offset() == 0
     assert _rss_bytes() - before < 64 << 20
     stride = 1 << 20  # one byte a MiB: every page read is zero
     assert not buffer[::stride].any()
