@@ -130,13 +130,15 @@ class Int4Matmul:
                         torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous())
                        for codes, scale, zero in packs]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W^T, in `out_dtype` where given (else x's dtype)."""
         x2 = x.reshape(-1, self.in_features)
         out = None
         for packed, scales_zeros in self._packs:
             y = torch._weight_int4pack_mm_for_cpu(x2, packed, GGUF_BLOCK, scales_zeros)
             out = y if out is None else out.add_(y)
-        return out.view(*x.shape[:-1], self.out_features)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if out_dtype is None else out.to(out_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -215,14 +217,17 @@ class BlockGemv:
         self.gemv_rows = gemv_rows
         self.amx = AmxTiles.of(weight, mins) if amx and AmxTiles.supports(weight) else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W^T, in `out_dtype` where given (x's dtype or float32; else x's dtype): the GEMV writes
+        float32 itself, unrounded."""
         x2 = x.reshape(-1, self.in_features).contiguous()
         if self.amx is not None and x2.shape[0] > self.gemv_rows and x2.dtype == torch.bfloat16:
             y = self.amx(x2)
+            y = y if out_dtype is None else y.to(out_dtype)
         elif self.mins is None:
-            y = torch.ops.mrv2_gguf.q8_gemv(x2, self.codes, self.scales, self.isa)
+            y = torch.ops.mrv2_gguf.q8_gemv(x2, self.codes, self.scales, self.isa, out_dtype)
         else:
-            y = torch.ops.mrv2_gguf.q4_gemv(x2, self.codes, self.scales, self.mins, self.isa)
+            y = torch.ops.mrv2_gguf.q4_gemv(x2, self.codes, self.scales, self.mins, self.isa, out_dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     @property

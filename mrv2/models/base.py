@@ -212,7 +212,7 @@ class CausalLM(nn.Module):
             return tiled_linear(hidden, self.lm_head_weight, None, self.row_tile).float()
         dense = self.lm_head_weight is not None or self.lm_head_packed is not None
         if self.lm_head_int4 is not None and (not dense or hidden.shape[0] <= self.lm_head_int4_max_rows):
-            return self.lm_head_int4(hidden).float()
+            return self.lm_head_int4(hidden, torch.float32)
         if self.lm_head_packed is not None:  # one call: oneDNN blocks the packed vocabulary itself
             return packed_linear(hidden, self.lm_head_packed, None).float()
         if chunk_rows is None or chunk_rows >= self.lm_head_weight.shape[0]:

@@ -11,7 +11,7 @@ from types import MappingProxyType
 import torch
 
 from mrv2.config import GiB, GraphConfig, GraphMode, QuantPolicy
-from mrv2.platforms.cpu_kernels import load_cpu_kernels
+from mrv2.platforms.cpu_kernels import SOURCE_FILES, load_cpu_kernels
 from mrv2.platforms.device_queue import DeviceQueue, InlineQueue, WorkerThreadQueue
 from mrv2.platforms.graphs import CompiledGraphBackend, EagerGraphBackend, GraphBackend
 from mrv2.platforms.interface import Platform
@@ -249,7 +249,7 @@ class CpuPlatform(Platform):
         # batches 16 and 64.
         if not self._compiles(config):
             return EagerGraphBackend()
-        return CompiledGraphBackend(cpp_wrapper=config.mode is GraphMode.FULL)
+        return CompiledGraphBackend(cpp_wrapper=config.mode is GraphMode.FULL, kernel_sources=SOURCE_FILES)
 
     @staticmethod
     def _compiles(config: GraphConfig) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import hashlib
 import importlib
 import inspect
 import logging
@@ -20,10 +21,12 @@ import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 logger = logging.getLogger("mrv2")
 
@@ -234,6 +237,27 @@ _COMPILE_OPTIONS = {"guard_filter_fn": replay_guards, "size_asserts": False, "al
 _CPP_WRAPPER_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
+class KernelSourcesKey(CustomGraphPass):
+    """Leaves the graph as it is; puts the hash of `files` into Inductor's cache key.
+
+    Inductor caches compiled graphs by their FX code, which names a custom op but not what it
+    was built from: after the kernels' sources change (an argument added), a warm cache would
+    hand back code that calls them the old way. Given as Inductor's `post_grad_custom_post_pass`.
+    """
+
+    def __init__(self, files: tuple[Path, ...]) -> None:
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(Path(f).read_bytes())
+        self._uuid = digest.hexdigest()
+
+    def __call__(self, graph: torch.fx.graph.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return self._uuid
+
+
 class CompiledGraphBackend(GraphBackend):
     """A torch.compile'd (Inductor) callable per captured shape; a replay runs it on the inputs it is given.
 
@@ -244,12 +268,16 @@ class CompiledGraphBackend(GraphBackend):
     A replay calls the graph dynamo made for its capture directly, with the arguments its
     frame gathered at capture (`graph_call`): a captured piece runs over the same modules
     and tensors every time. `cpp_wrapper` calls the
-    kernels from compiled C++ instead of Inductor's Python wrapper.
+    kernels from compiled C++ instead of Inductor's Python wrapper. `kernel_sources`: the files the
+    platform's own kernels are built from, part of the compiled code's cache key.
     """
 
-    def __init__(self, recompile_limit: int = 256, cpp_wrapper: bool = False) -> None:
+    def __init__(self, recompile_limit: int = 256, cpp_wrapper: bool = False,
+                 kernel_sources: tuple[Path, ...] = ()) -> None:
         self.recompile_limit = recompile_limit
         self.options = {**_COMPILE_OPTIONS, **(_CPP_WRAPPER_OPTIONS if cpp_wrapper else {})}
+        if kernel_sources:
+            self.options["post_grad_custom_post_pass"] = KernelSourcesKey(kernel_sources)
         self._compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
 
     def new_pool(self) -> None:

@@ -58,6 +58,7 @@ class StepPlan:
     seq_lens_cpu: np.ndarray
     num_drafts_cpu: np.ndarray  # per batch row: draft tokens verified this step
     num_logits: int  # logits rows: one per request, plus one per draft
+    logits_lead: bool = False  # the logits rows are the first num_logits tokens (decodes, no drafts)
 
     @property
     def num_reqs(self) -> int:
@@ -89,6 +90,19 @@ class StepBatch:
     logits_start: torch.Tensor
     num_drafts: torch.Tensor
     max_drafts: int
+    logits_lead: bool = False  # logits_indices is 0, 1, ..., num_logits - 1
+
+    def logits_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows of `hidden` [tokens, H] the logits are computed from (leading rows: a view, no gather)."""
+        return hidden[:self.logits_indices.shape[0]] if self.logits_lead else hidden[self.logits_indices]
+
+    def logits_slots(self) -> torch.Tensor:
+        """Per logits row: its request's slot."""
+        return self.idx_mapping if self.max_drafts == 0 else self.idx_mapping[self.logits_rows]
+
+    def logits_positions(self, counts: torch.Tensor) -> torch.Tensor:
+        """Per logits row: the position of the token it samples, from its request's token count (`counts`)."""
+        return counts.long() if self.max_drafts == 0 else counts.long() + self.logits_offsets
 
 
 class InputBuffers:
@@ -180,8 +194,9 @@ class InputBuffers:
             at += len(array)
         seq_lens_cpu = np.zeros(ba, dtype=np.int64)
         seq_lens_cpu[:b] = num_computed_cpu[idx_cpu] + num_scheduled_cpu
+        lead = bool(np.array_equal(logits_indices, np.arange(num_logits)))
         return StepPlan(req_ids, idx_cpu, num_scheduled_cpu, t, padding, staging[:at], segments, qsl_cpu,
-                        seq_lens_cpu, num_drafts, num_logits)
+                        seq_lens_cpu, num_drafts, num_logits, lead)
 
     def gather(self, plan: StepPlan, states: RequestStates, block_tables: BlockTables) -> StepBatch:
         """Device work: one copy of the staging buffer, then every input gathered from slot state."""
@@ -233,7 +248,7 @@ class InputBuffers:
                          input_ids=self.input_ids[:tp], positions=self.positions[:tp],
                          logits_indices=self.logits_indices[:n], attn=attn, logits_rows=self.logits_rows[:n],
                          logits_offsets=self.logits_offsets[:n], logits_start=self.logits_start[:b],
-                         num_drafts=self.num_drafts[:b], max_drafts=plan.max_drafts)
+                         num_drafts=self.num_drafts[:b], max_drafts=plan.max_drafts, logits_lead=plan.logits_lead)
 
     def _fill_padding(self, b: int, t: int, bp: int, tp: int) -> None:
         for buf in (self.input_ids, self.positions, self.slot_mapping):

@@ -300,7 +300,7 @@ class ModelRunner:
             else:
                 attn_metadata = self.attn_backend.build_metadata(batch.attn)
                 hidden = self.model(batch.input_ids, batch.positions, attn_metadata)
-            logits = self.model.compute_logits(hidden[batch.logits_indices], self.platform.logits_chunk_rows)
+            logits = self.model.compute_logits(batch.logits_hidden(hidden), self.platform.logits_chunk_rows)
             prompt_scores = None if scored is None else score_prompt(
                 scored, hidden, self.states.token_ids,
                 partial(self.model.compute_logits, chunk_rows=self.platform.logits_chunk_rows), self.device)
@@ -332,8 +332,8 @@ class ModelRunner:
             prompt = None if prompt_scores is None else host_prompt_logprobs.start(prompt_scores, event)
             with self.timing.phase("sample"):
                 # Per logits row: its request's slot and the position of the token it samples.
-                slots = batch.idx_mapping[batch.logits_rows]
-                positions = self.states.num_tokens[slots].long() + batch.logits_offsets
+                slots = batch.logits_slots()
+                positions = batch.logits_positions(self.states.num_tokens[slots])
                 # From the raw logits: the sampler masks them in place.
                 raw_logprobs = logits.log_softmax(dim=-1) if num_logprobs is not None else None
                 metadata = self.sampling.metadata(pending.flags, slots, positions, self.states.token_ids)

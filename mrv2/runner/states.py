@@ -107,6 +107,8 @@ class RequestStates:
         history unchanged (its sample is discarded), decided per row on the device.
         Returns the tokens each row emitted [B] (0 for a partial prefill).
         """
+        if num_emitted is None and sampled.dim() == 1:
+            return self._append_one(idx_mapping, num_scheduled, sampled)
         if sampled.dim() == 1:
             sampled = sampled[:, None]
         computed = self.num_computed[idx_mapping] + num_scheduled
@@ -125,6 +127,18 @@ class RequestStates:
         rows = idx_mapping[:, None].expand_as(pos)
         current = self.token_ids[rows, pos]
         self.token_ids[rows, pos] = torch.where((emitted > 0)[:, None], sampled.gather(1, take), current)
+        self.num_tokens[idx_mapping] = n + emitted
+        return emitted
+
+    def _append_one(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """`post_update_device` of one token a row (no drafts), in a third of the general case's ops."""
+        computed = self.num_computed[idx_mapping] + num_scheduled
+        n = self.num_tokens[idx_mapping]
+        done = computed >= n
+        self.num_computed[idx_mapping] = computed
+        pos = n.long()
+        self.token_ids[idx_mapping, pos] = torch.where(done, sampled, self.token_ids[idx_mapping, pos])
+        emitted = done.int()
         self.num_tokens[idx_mapping] = n + emitted
         return emitted
 

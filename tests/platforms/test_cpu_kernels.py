@@ -46,6 +46,23 @@ def test_block_gemv_equals_the_dequantized_weight(isa, qtype, rows, dtype):
     _close(got, x.double() @ torch.from_numpy(ref).double().t())
 
 
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: GEMV_ISAS[i])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 9])
+def test_block_gemv_writes_float32_for_bf16_activations_unrounded(isa, qtype, rows):
+    # The LM head's logits: the same fp32 sums, not rounded to bf16 on their way to the sampler.
+    weight, ref = quantized(qtype, 40, 384, seed=rows)
+    x = torch.randn(rows, 384).bfloat16()
+    gemv = BlockGemv(weight, isa)
+    wide = gemv(x, torch.float32)
+    assert wide.dtype == torch.float32 and wide.shape == (rows, 40)
+    assert torch.equal(wide.bfloat16(), gemv(x))
+    assert not torch.equal(wide, wide.bfloat16().float())  # kept fp32 bits
+    _close(wide, x.double() @ torch.from_numpy(ref).double().t())
+    with pytest.raises(RuntimeError, match="out_dtype must be"):
+        gemv(x, torch.float16)
+
+
 def test_every_instruction_set_computes_the_same_integer_dot_products():
     if len(ISAS) < 2:
         pytest.skip("this CPU runs one instruction set of the block GEMV")

@@ -239,3 +239,31 @@ def test_frames_with_side_effects_run_whole_on_every_replay():
         out = graph.replay()
         torch.testing.assert_close(out, torch.full((4,), 7.0))
         torch.testing.assert_close(module.last, torch.full((4,), 6.0))
+
+
+def _scaled_sum(x: torch.Tensor) -> torch.Tensor:
+    return (x * 3).sum(0)
+
+
+def test_kernel_sources_are_part_of_the_compiled_code_cache_key(tmp_path, monkeypatch):
+    # A graph compiled over the same code comes from Inductor's cache, unless a kernel source changed:
+    # code cached before would call the kernels as they were.
+    from torch._dynamo.utils import counters
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    source = tmp_path / "kernel.cpp"
+    source.write_text("// version 1")
+
+    def compile_once() -> tuple[int, int]:
+        torch._dynamo.reset()
+        counters.clear()
+        with torch._inductor.config.patch(fx_graph_cache=True):
+            backend = CompiledGraphBackend(kernel_sources=(source,))
+            x = torch.arange(6.0).view(2, 3)
+            assert backend.capture(_scaled_sum, None, (x,)).output.tolist() == [9.0, 15.0, 21.0]
+        return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+    assert compile_once() == (0, 1)
+    assert compile_once() == (1, 0)
+    source.write_text("// version 2")
+    assert compile_once() == (0, 1)
+    torch._dynamo.reset()

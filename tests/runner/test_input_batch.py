@@ -271,3 +271,20 @@ def test_token_only_padding_keeps_real_attention_metadata():
             assert np.array_equal(got, want), name
         else:
             assert got == want, name
+
+
+def test_logits_rows_lead_a_decode_batch_and_are_gathered_otherwise():
+    w = World(4)
+    w.add("dec_a", 10, 9, 3)
+    w.add("dec_b", 5, 4, 2)
+    w.add("fresh", 7, 0, 2)
+    w.apply()
+    hidden = torch.randn(MAX_TOKENS, 8)
+    for schedule, lead in (([("dec_b", 1), ("dec_a", 1)], True), ([("dec_a", 1), ("fresh", 7)], False)):
+        batch = w.prepare(schedule)
+        assert batch.logits_lead is lead
+        assert torch.equal(batch.logits_hidden(hidden), hidden[batch.logits_indices])
+        slots = batch.logits_slots()
+        assert torch.equal(slots, batch.idx_mapping[batch.logits_rows])
+        counts = w.states.num_tokens[slots]
+        assert torch.equal(batch.logits_positions(counts), counts.long() + batch.logits_offsets)

@@ -152,3 +152,25 @@ def test_random_steps_device_matches_host_and_naive_model():
             assert s.num_computed_cpu[st["slot"]] == st["computed"]
             assert s.token_ids[st["slot"], :n].tolist() == st["tokens"]
     assert next_id > 10
+
+
+def test_one_token_rows_update_as_the_general_case_does():
+    # post_update_device with [B] samples (one token a row) takes a shorter path; fed the same rows as
+    # [B, 1] it takes the general one: both leave the same state, partial prefills included.
+    rng = np.random.default_rng(2)
+    short, general = make_states(6, 30), make_states(6, 30)
+    for req_id, tokens, computed in (("a", [5, 6, 7], 0), ("b", [1] * 9, 2), ("c", [4, 4], 1), ("d", [9] * 5, 4)):
+        for s in (short, general):
+            s.add(new_req(req_id, tokens, computed=computed))
+            s.apply_staged()
+    for _ in range(12):
+        idx = torch.from_numpy(rng.permutation(4)[:int(rng.integers(1, 5))])
+        left = (short.num_tokens[idx] - short.num_computed[idx]).clamp(min=1)
+        n = torch.minimum(left, torch.from_numpy(rng.integers(1, 4, size=len(idx))).int())
+        sampled = torch.from_numpy(rng.integers(1, 1000, size=len(idx)))
+        got = short.post_update_device(idx, n, sampled)
+        want = general.post_update_device(idx, n, sampled[:, None])
+        assert torch.equal(got, want)
+        for name in ("token_ids", "num_tokens", "num_computed"):
+            assert torch.equal(getattr(short, name), getattr(general, name)), name
+    assert (short.num_tokens > torch.tensor([3, 9, 2, 5, 0, 0], dtype=torch.int32)).sum() >= 3  # tokens appended

@@ -17,6 +17,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent
+# Every file the kernels are built from: compiled graphs that call them depend on these too.
+SOURCE_FILES = tuple(sorted(p for p in _SOURCES.iterdir() if p.suffix in (".cpp", ".inc")))
 
 
 @lru_cache(maxsize=1)
@@ -43,14 +45,14 @@ def load_cpu_kernels() -> str | None:
 
 
 def _register_fakes() -> None:
-    """Output shapes for tracing (torch.compile), in the input's dtype."""
+    """Output shapes for tracing (torch.compile), in the input's dtype (the GEMVs': `out_dtype` where given)."""
     @torch.library.register_fake("mrv2_gguf::q4_gemv")
-    def _q4(x, codes, scales, mins, isa):
-        return x.new_empty(x.shape[0], codes.shape[0])
+    def _q4(x, codes, scales, mins, isa, out_dtype=None):
+        return x.new_empty(x.shape[0], codes.shape[0], dtype=out_dtype or x.dtype)
 
     @torch.library.register_fake("mrv2_gguf::q8_gemv")
-    def _q8(x, codes, scales, isa):
-        return x.new_empty(x.shape[0], codes.shape[0])
+    def _q8(x, codes, scales, isa, out_dtype=None):
+        return x.new_empty(x.shape[0], codes.shape[0], dtype=out_dtype or x.dtype)
 
     @torch.library.register_fake("mrv2_gguf::q4_gemm_amx")
     def _q4_amx(x, codes, scales, mins):

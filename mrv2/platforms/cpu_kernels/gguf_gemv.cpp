@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -168,7 +169,8 @@ void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale
               kScaleTail, " zeros), got ", scales.sizes());
 }
 
-template <bool kQ4, typename T>
+// x of type T, out of type O (T, or float: logits need not round to bf16 on their way to fp32).
+template <bool kQ4, typename T, typename O>
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const uint16_t* mins,
                 int64_t isa) {
   const int64_t rows = x.size(0), K = x.size(1), N = codes.size(0), nb = K / kBlock;
@@ -191,12 +193,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
       }
     }
   }
-  at::Tensor out = at::empty({rows, N}, x.options());
+  at::Tensor out = at::empty({rows, N}, x.options().dtype(c10::CppTypeToScalarType<O>::value));
   const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
   const auto* d16 = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   // About 64K weights a task: smaller pieces cost more in scheduling than they save.
   const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / K);
-  T* o = out.data_ptr<T>();
+  O* o = out.data_ptr<O>();
   const int64_t pass_rows = isa == 2 ? kPassRowsAvx512 : kPassRowsAvx2;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     // Tiles of kTileRows weight rows stay in cache while every pass of rows of
@@ -205,12 +207,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
       const int64_t t1 = std::min(t0 + kTileRows, n1);
       for (int64_t r0 = 0; r0 < rows; r0 += pass_rows) {
         const QuantizedX qx{q.data() + r0 * K, d.data() + r0 * nbp, s.data() + r0 * nbp, g.data() + r0 * nbp};
-        T* orow = o + r0 * N;
+        O* orow = o + r0 * N;
         const int64_t m = std::min(pass_rows, rows - r0);
-#define ROWS(M, ISA) ISA::dot_rows<M, kQ4, T>(qx, K, c, d16, mins, orow, N, t0, t1)
+#define ROWS(M, ISA) ISA::dot_rows<M, kQ4, O>(qx, K, c, d16, mins, orow, N, t0, t1)
         if (isa == 2) {
           switch (m) {
-            case 1: vnni::dot_row<kQ4, T>(qx, K, c, d16, mins, orow, t0, t1); break;
+            case 1: vnni::dot_row<kQ4, O>(qx, K, c, d16, mins, orow, t0, t1); break;
             case 2: ROWS(2, vnni); break;
             case 3: ROWS(3, vnni); break;
             case 4: ROWS(4, vnni); break;
@@ -234,27 +236,35 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   return out;
 }
 
+template <bool kQ4>
+at::Tensor gemv_to(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const uint16_t* mins,
+                   int64_t isa, std::optional<at::ScalarType> out_dtype) {
+  const at::ScalarType out = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(out == x.scalar_type() || out == at::kFloat, "out_dtype must be x's dtype or float32, got ", out);
+  if (x.scalar_type() == at::kFloat) return gemv<kQ4, float, float>(x, codes, scales, mins, isa);
+  return out == at::kFloat ? gemv<kQ4, at::BFloat16, float>(x, codes, scales, mins, isa)
+                           : gemv<kQ4, at::BFloat16, at::BFloat16>(x, codes, scales, mins, isa);
+}
+
 at::Tensor q4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                   int64_t isa) {
+                   int64_t isa, std::optional<at::ScalarType> out_dtype) {
   check(x, codes, scales, kBlock / 2, at::kByte, isa);
   TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous(),
               "mins must be shaped and typed like scales");
-  const auto* m = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  return x.scalar_type() == at::kFloat ? gemv<true, float>(x, codes, scales, m, isa)
-                                       : gemv<true, at::BFloat16>(x, codes, scales, m, isa);
+  return gemv_to<true>(x, codes, scales, reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), isa, out_dtype);
 }
 
-at::Tensor q8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t isa) {
+at::Tensor q8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t isa,
+                   std::optional<at::ScalarType> out_dtype) {
   check(x, codes, scales, kBlock, at::kChar, isa);
-  return x.scalar_type() == at::kFloat ? gemv<false, float>(x, codes, scales, nullptr, isa)
-                                       : gemv<false, at::BFloat16>(x, codes, scales, nullptr, isa);
+  return gemv_to<false>(x, codes, scales, nullptr, isa, out_dtype);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(mrv2_gguf, m) {
-  m.def("q4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor mins, int isa) -> Tensor");
-  m.def("q8_gemv(Tensor x, Tensor codes, Tensor scales, int isa) -> Tensor");
+  m.def("q4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor mins, int isa, ScalarType? out_dtype=None) -> Tensor");
+  m.def("q8_gemv(Tensor x, Tensor codes, Tensor scales, int isa, ScalarType? out_dtype=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mrv2_gguf, CPU, m) {
