@@ -63,6 +63,20 @@ def test_block_gemv_writes_float32_for_bf16_activations_unrounded(isa, qtype, ro
         gemv(x, torch.float16)
 
 
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: GEMV_ISAS[i])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_rows_result_does_not_depend_on_the_rows_computed_with_it(isa, qtype):
+    # Rows go through the kernel in groups (and the rest of a tile one by one): each output must be
+    # bitwise what the row gives alone, wherever it falls.
+    weight, _ = quantized(qtype, 37, 384, seed=5)
+    x = torch.randn(1, 384).bfloat16()
+    together = BlockGemv(weight, isa)(x, torch.float32)
+    for i in range(37):
+        alone = QuantizedWeight(qtype, weight.codes[i:i + 1], weight.scales[i:i + 1],
+                                None if weight.mins is None else weight.mins[i:i + 1])
+        assert torch.equal(BlockGemv(alone, isa)(x, torch.float32)[0, 0], together[0, i]), i
+
+
 def test_every_instruction_set_computes_the_same_integer_dot_products():
     if len(ISAS) < 2:
         pytest.skip("this CPU runs one instruction set of the block GEMV")

@@ -80,20 +80,10 @@ namespace vnni {
 constexpr bool kVnni = true;
 #include "gguf_dot.inc"
 
-// out[n] for weight rows [n0, n1) and one row of quantized x, 512 bits wide: a block's 32 weights
-// unpack into one register as [evens | odds], the order x's codes are stored in, for one vpdpwssd a
-// block (the 256-bit `dot_rows` takes two, and twice the unpacking).
-//
-// Q4 unpacks with one mask, no shifts: the block's 16 bytes as 8 int16 words sit in each 128-bit
-// lane L, and lane L keeps nibble L of every word (weights 2i, 2i + 16, 2i + 1, 2i + 17 of word i) in
-// place, as 16^L times the weight. Each lane's products are exact integer multiples of 16^L, scaled
-// back once a row (lane_scales). Nibble 3 fills an int16's sign bit: it is flipped in the same
-// instruction, which makes the lane hold 4096 * (q - 8) for any q; the 8 * x17 + 8 * x19 + ... it
-// leaves out comes back per block with the mins (qx.g). Pairs of products stay below 2^31 in int32.
-// Two integer instructions a block where the shifts took three, on the ports the products need.
-template <bool kQ4, typename T>
-void dot_row(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, const uint16_t* m16,
-             T* out, int64_t n0, int64_t n1) {
+// The rows of one call of `dot_row` (below), R at a time.
+template <int R, bool kQ4, typename T>
+void dot_row_group(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, const uint16_t* m16,
+                   T* out, int64_t n0, int64_t n1) {
   constexpr int64_t kChunk = 64;  // blocks whose scales are converted at a time
   const int64_t nb = K / 32;
   const __m512i lane_nibbles = _mm512_setr_epi32(0x000F000F, 0x000F000F, 0x000F000F, 0x000F000F,
@@ -105,48 +95,92 @@ void dot_row(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16
   const __m512 lane_scales = _mm512_setr_ps(1.0f, 1.0f, 1.0f, 1.0f, 1.0f / 16, 1.0f / 16, 1.0f / 16, 1.0f / 16,
                                             1.0f / 256, 1.0f / 256, 1.0f / 256, 1.0f / 256, 1.0f / 4096,
                                             1.0f / 4096, 1.0f / 4096, 1.0f / 4096);
-  alignas(64) float dd[kChunk];
+  alignas(64) float dd[R][kChunk];
   const int64_t row_bytes = kQ4 ? K / 2 : K;
-  for (int64_t n = n0; n < n1; ++n) {
+  for (int64_t n = n0; n + R <= n1; n += R) {
     const uint8_t* wrow = codes + n * row_bytes;
-    prefetch_ahead(wrow, row_bytes, d16 + n * nb, kQ4 ? m16 + n * nb : nullptr, nb);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    __m256 mins = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      prefetch_ahead(wrow + r * row_bytes, row_bytes, d16 + (n + r) * nb, kQ4 ? m16 + (n + r) * nb : nullptr, nb);
+    }
+    __m512 acc[R][2];
+    __m256 mins[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      mins[r] = _mm256_setzero_ps();
+    }
     for (int64_t b0 = 0; b0 < nb; b0 += kChunk) {
       const int64_t cb = std::min(kChunk, nb - b0);
-      for (int64_t j = 0; j < cb; j += 8) {
-        const __m256 dw = _mm256_cvtph_ps(load128(d16 + n * nb + b0 + j));
-        _mm256_store_ps(dd + j, _mm256_mul_ps(dw, _mm256_loadu_ps(qx.d + b0 + j)));
-        if constexpr (kQ4) {
-          mins = _mm256_fmadd_ps(_mm256_cvtph_ps(load128(m16 + n * nb + b0 + j)), _mm256_loadu_ps(qx.s + b0 + j),
-                                 _mm256_fmadd_ps(dw, _mm256_loadu_ps(qx.g + b0 + j), mins));
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (n + r) * nb + b0;
+        for (int64_t j = 0; j < cb; j += 8) {
+          const __m256 dw = _mm256_cvtph_ps(load128(d16 + at + j));
+          _mm256_store_ps(dd[r] + j, _mm256_mul_ps(dw, _mm256_loadu_ps(qx.d + b0 + j)));
+          if constexpr (kQ4) {
+            mins[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(load128(m16 + at + j)), _mm256_loadu_ps(qx.s + b0 + j),
+                                      _mm256_fmadd_ps(dw, _mm256_loadu_ps(qx.g + b0 + j), mins[r]));
+          }
         }
       }
-      auto block = [&](int64_t j, __m512& acc) __attribute__((always_inline)) {
+      // Block j of every row in turn: x's codes are loaded once for the R rows, whose sums are
+      // independent chains. Even and odd blocks of a row keep separate sums, as one row alone does.
+      auto blocks = [&](int64_t j, int parity) __attribute__((always_inline)) {
         const int64_t b = b0 + j;
-        __m512i w;
-        if constexpr (kQ4) {
-          // (codes AND lane_nibbles) XOR sign_flip
-          w = _mm512_ternarylogic_epi32(_mm512_broadcast_i32x4(load128(wrow + 16 * b)), lane_nibbles, sign_flip, 0x6A);
-        } else {
-          const __m256i v = load256(wrow + 32 * b);  // int16 lane i: weights 2i (low byte) and 2i + 1
-          w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8)),
-                                 _mm256_srai_epi16(v, 8), 1);
+        const __m512i xq = _mm512_loadu_si512(qx.q + 32 * b);
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* w_r = wrow + r * row_bytes;
+          __m512i w;
+          if constexpr (kQ4) {
+            // (codes AND lane_nibbles) XOR sign_flip
+            w = _mm512_ternarylogic_epi32(_mm512_broadcast_i32x4(load128(w_r + 16 * b)), lane_nibbles, sign_flip,
+                                          0x6A);
+          } else {
+            const __m256i v = load256(w_r + 32 * b);  // int16 lane i: weights 2i (low byte) and 2i + 1
+            w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8)),
+                                   _mm256_srai_epi16(v, 8), 1);
+          }
+          const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, xq);
+          acc[r][parity] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dd[r][j]), acc[r][parity]);
         }
-        const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(qx.q + 32 * b));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dd[j]), acc);
       };
       int64_t j = 0;
       for (; j + 2 <= cb; j += 2) {
-        block(j, acc0);
-        block(j + 1, acc1);
+        blocks(j, 0);
+        blocks(j + 1, 1);
       }
-      if (j < cb) block(j, acc0);
+      if (j < cb) blocks(j, 0);
     }
-    const __m512 sum = _mm512_add_ps(acc0, acc1);
-    out[n] = static_cast<T>(kQ4 ? _mm512_reduce_add_ps(_mm512_fmadd_ps(sum, lane_scales, _mm512_zextps256_ps512(mins)))
-                                : _mm512_reduce_add_ps(sum));
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = _mm512_add_ps(acc[r][0], acc[r][1]);
+      out[n + r] = static_cast<T>(kQ4 ? _mm512_reduce_add_ps(_mm512_fmadd_ps(sum, lane_scales,
+                                                                             _mm512_zextps256_ps512(mins[r])))
+                                      : _mm512_reduce_add_ps(sum));
+    }
   }
+}
+
+// out[n] for weight rows [n0, n1) and one row of quantized x, 512 bits wide: a block's 32 weights
+// unpack into one register as [evens | odds], the order x's codes are stored in, for one vpdpwssd a
+// block (the 256-bit `dot_rows` takes two, and twice the unpacking).
+//
+// Q4 unpacks with one mask, no shifts: the block's 16 bytes as 8 int16 words sit in each 128-bit
+// lane L, and lane L keeps nibble L of every word (weights 2i, 2i + 16, 2i + 1, 2i + 17 of word i) in
+// place, as 16^L times the weight. Each lane's products are exact integer multiples of 16^L, scaled
+// back once a row (lane_scales). Nibble 3 fills an int16's sign bit: it is flipped in the same
+// instruction, which makes the lane hold 4096 * (q - 8) for any q; the 8 * x17 + 8 * x19 + ... it
+// leaves out comes back per block with the mins (qx.g). Pairs of products stay below 2^31 in int32.
+// Two integer instructions a block where the shifts took three, on the ports the products need.
+//
+// Rows go kGroupRows at a time: a short row (K = 576 is 18 blocks) spends as much on its scales and
+// final sum as on its blocks, and the rows of a group share x's loads and run as independent chains.
+// Each row's result is what it would be alone (the same sums in the same order).
+constexpr int kGroupRows = 8;
+
+template <bool kQ4, typename T>
+void dot_row(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, const uint16_t* m16,
+             T* out, int64_t n0, int64_t n1) {
+  const int64_t grouped = n0 + (n1 - n0) / kGroupRows * kGroupRows;
+  dot_row_group<kGroupRows, kQ4, T>(qx, K, codes, d16, m16, out, n0, grouped);
+  dot_row_group<1, kQ4, T>(qx, K, codes, d16, m16, out, grouped, n1);
 }
 }  // namespace vnni
 #pragma GCC pop_options
