@@ -58,7 +58,7 @@ class StepPlan:
     seq_lens_cpu: np.ndarray
     num_drafts_cpu: np.ndarray  # per batch row: draft tokens verified this step
     num_logits: int  # logits rows: one per request, plus one per draft
-    logits_lead: bool = False  # the logits rows are the first num_logits tokens (decodes, no drafts)
+    logits_lead: bool = False  # the logits rows are the first num_logits tokens
 
     @property
     def num_reqs(self) -> int:
@@ -194,9 +194,9 @@ class InputBuffers:
             at += len(array)
         seq_lens_cpu = np.zeros(ba, dtype=np.int64)
         seq_lens_cpu[:b] = num_computed_cpu[idx_cpu] + num_scheduled_cpu
-        lead = bool(np.array_equal(logits_indices, np.arange(num_logits)))
+        # Every token a logits row (each row scheduled just its logits rows): they are tokens 0, 1, ...
         return StepPlan(req_ids, idx_cpu, num_scheduled_cpu, t, padding, staging[:at], segments, qsl_cpu,
-                        seq_lens_cpu, num_drafts, num_logits, lead)
+                        seq_lens_cpu, num_drafts, num_logits, logits_lead=t == num_logits)
 
     def gather(self, plan: StepPlan, states: RequestStates, block_tables: BlockTables) -> StepBatch:
         """Device work: one copy of the staging buffer, then every input gathered from slot state."""

@@ -107,10 +107,6 @@ class RequestStates:
         history unchanged (its sample is discarded), decided per row on the device.
         Returns the tokens each row emitted [B] (0 for a partial prefill).
         """
-        if num_emitted is None and sampled.dim() == 1:
-            return self._append_one(idx_mapping, num_scheduled, sampled)
-        if sampled.dim() == 1:
-            sampled = sampled[:, None]
         computed = self.num_computed[idx_mapping] + num_scheduled
         n = self.num_tokens[idx_mapping]
         done = computed >= n
@@ -120,25 +116,18 @@ class RequestStates:
             emitted = torch.where(done, num_emitted, 0).int()
             computed = computed - torch.where(done, num_drafts + 1 - num_emitted, 0).int()
         self.num_computed[idx_mapping] = computed
-        # Column j of a row writes its min(j, emitted - 1)-th token: duplicates write equal values.
-        cols = torch.arange(sampled.shape[1], device=sampled.device)
-        take = torch.minimum(cols[None, :], (emitted - 1).clamp(min=0)[:, None].long())
-        pos = n.long()[:, None] + take
-        rows = idx_mapping[:, None].expand_as(pos)
-        current = self.token_ids[rows, pos]
-        self.token_ids[rows, pos] = torch.where((emitted > 0)[:, None], sampled.gather(1, take), current)
-        self.num_tokens[idx_mapping] = n + emitted
-        return emitted
-
-    def _append_one(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-        """`post_update_device` of one token a row (no drafts), in a third of the general case's ops."""
-        computed = self.num_computed[idx_mapping] + num_scheduled
-        n = self.num_tokens[idx_mapping]
-        done = computed >= n
-        self.num_computed[idx_mapping] = computed
-        pos = n.long()
-        self.token_ids[idx_mapping, pos] = torch.where(done, sampled, self.token_ids[idx_mapping, pos])
-        emitted = done.int()
+        if sampled.dim() == 1:  # one token a row, at position n: a third of the ops of the columns below
+            pos = n.long()
+            wrote = done if num_emitted is None else emitted > 0
+            self.token_ids[idx_mapping, pos] = torch.where(wrote, sampled, self.token_ids[idx_mapping, pos])
+        else:
+            # Column j of a row writes its min(j, emitted - 1)-th token: duplicates write equal values.
+            cols = torch.arange(sampled.shape[1], device=sampled.device)
+            take = torch.minimum(cols[None, :], (emitted - 1).clamp(min=0)[:, None].long())
+            pos = n.long()[:, None] + take
+            rows = idx_mapping[:, None].expand_as(pos)
+            current = self.token_ids[rows, pos]
+            self.token_ids[rows, pos] = torch.where((emitted > 0)[:, None], sampled.gather(1, take), current)
         self.num_tokens[idx_mapping] = n + emitted
         return emitted
 
