@@ -80,6 +80,25 @@ namespace vnni {
 constexpr bool kVnni = true;
 #include "gguf_dot.inc"
 
+// _mm512_reduce_add_ps of 8 registers at once, its sums in its order (lane i + lane i + 8, then
+// i + 4, then i + 2, then the last two), so each result is bitwise what that row's own reduction
+// gives: the registers are transposed as they are added, 25 instructions where 8 reductions take 64.
+inline __m256 reduce_add_8(const __m512 (&v)[8]) {
+  __m512 t[4];
+  for (int i = 0; i < 4; ++i) {  // rows 2i and 2i + 1: [lo + hi of row 2i | lo + hi of row 2i + 1]
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  // Rows 0-3 and 4-7, 4 lanes each (128-bit lane k: row k, or row 4 + k): lane i + lane i + 4.
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x88), _mm512_shuffle_f32x4(t[2], t[3], 0xDD));
+  // Per 128-bit lane k: [s0 + s2, s0' + s2', s1 + s3, s1' + s3'] of row k (s) and row 4 + k (s').
+  const __m512 w = _mm512_add_ps(_mm512_unpacklo_ps(u0, u1), _mm512_unpackhi_ps(u0, u1));
+  // (s0 + s2) + (s1 + s3): lane 0 of each 128-bit lane row k, lane 1 row 4 + k.
+  const __m512 x = _mm512_add_ps(w, _mm512_shuffle_ps(w, w, 0x4E));
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), x));
+}
+
 // The rows of one call of `dot_row` (below), R at a time.
 template <int R, bool kQ4, typename T>
 void dot_row_group(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, const uint16_t* m16,
@@ -138,7 +157,9 @@ void dot_row_group(const QuantizedX& qx, int64_t K, const uint8_t* codes, const 
             w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8)),
                                    _mm256_srai_epi16(v, 8), 1);
           }
-          const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, xq);
+          // vpmaddwd: vpdpwssd's sums of pairs without an accumulator to zero first (a register copy a
+          // block, on the ports the products need).
+          const __m512i dot = _mm512_madd_epi16(w, xq);
           acc[r][parity] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dd[r][j]), acc[r][parity]);
         }
       };
@@ -149,18 +170,24 @@ void dot_row_group(const QuantizedX& qx, int64_t K, const uint8_t* codes, const 
       }
       if (j < cb) blocks(j, 0);
     }
+    __m512 sums[R];
     for (int r = 0; r < R; ++r) {
       const __m512 sum = _mm512_add_ps(acc[r][0], acc[r][1]);
-      out[n + r] = static_cast<T>(kQ4 ? _mm512_reduce_add_ps(_mm512_fmadd_ps(sum, lane_scales,
-                                                                             _mm512_zextps256_ps512(mins[r])))
-                                      : _mm512_reduce_add_ps(sum));
+      sums[r] = kQ4 ? _mm512_fmadd_ps(sum, lane_scales, _mm512_zextps256_ps512(mins[r])) : sum;
+    }
+    if constexpr (R == 8) {
+      alignas(32) float total[8];
+      _mm256_store_ps(total, reduce_add_8(sums));
+      for (int r = 0; r < R; ++r) out[n + r] = static_cast<T>(total[r]);
+    } else {
+      for (int r = 0; r < R; ++r) out[n + r] = static_cast<T>(_mm512_reduce_add_ps(sums[r]));
     }
   }
 }
 
 // out[n] for weight rows [n0, n1) and one row of quantized x, 512 bits wide: a block's 32 weights
-// unpack into one register as [evens | odds], the order x's codes are stored in, for one vpdpwssd a
-// block (the 256-bit `dot_rows` takes two, and twice the unpacking).
+// unpack into one register as [evens | odds], the order x's codes are stored in, for one vpmaddwd a
+// block (the 256-bit `dot_rows` takes two vpdpwssd, and twice the unpacking).
 //
 // Q4 unpacks with one mask, no shifts: the block's 16 bytes as 8 int16 words sit in each 128-bit
 // lane L, and lane L keeps nibble L of every word (weights 2i, 2i + 16, 2i + 1, 2i + 17 of word i) in
