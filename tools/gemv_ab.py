@@ -1,9 +1,10 @@
 """The block GEMV of a git revision against the working tree's, in one process (alternating rounds).
 
-Both versions of `mrv2/platforms/cpu_kernels/gguf_gemv.cpp` are built under op namespaces of
-their own; each round runs 30 layers' Q4 GEMVs of the default model's shapes (one row of bf16
-x) with every layer's weights (read from memory, "stream") or one layer's 30 times (in cache,
-"hot"), the two versions in turn, their order alternating. Prints the median new/old time ratio.
+Both versions of `mrv2/platforms/cpu_kernels/gguf_gemv.cpp` (each with the .inc files of its
+revision) are built under op namespaces of their own; each round runs 30 layers' Q4_1 GEMVs of
+the default model's shapes (one row of bf16 x, weights packed by `BlockGemv`) with every
+layer's weights (read from memory, "stream") or one layer's 30 times (in cache, "hot"), the two
+versions in turn, their order alternating. Prints the median new/old time ratio.
 
     python tools/gemv_ab.py [REV] [--threads N] [--rounds R]
 """
@@ -20,26 +21,42 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
+from mrv2.layers.quantization import BlockGemv, QuantizedWeight
+from mrv2.platforms import CpuPlatform
+from mrv2.platforms.cpu import GEMV_ISAS
+from mrv2.platforms.cpu_kernels import SOURCE_FILES
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "mrv2/platforms/cpu_kernels"
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
 
-def build(name: str, source: str, folder: Path) -> None:
-    """Build `source` (gguf_gemv.cpp's text) with its ops under namespace `name`."""
-    source = source.replace("TORCH_LIBRARY(mrv2_gguf,", f"TORCH_LIBRARY({name},")
-    source = source.replace("TORCH_LIBRARY_IMPL(mrv2_gguf,", f"TORCH_LIBRARY_IMPL({name},")
-    (folder / f"{name}.cpp").write_text(source)
-    load(name=f"{name}_ext", sources=[str(folder / f"{name}.cpp")], extra_cflags=["-O3", "-fopenmp", f"-I{KERNELS}"],
+def build(name: str, files: dict[str, str], folder: Path) -> None:
+    """Build gguf_gemv.cpp from `files` (name -> text: it and the .inc files it includes) with its ops
+    under namespace `name`."""
+    folder.mkdir()
+    for file, text in files.items():
+        if file == "gguf_gemv.cpp":
+            text = text.replace("TORCH_LIBRARY(mrv2_gguf,", f"TORCH_LIBRARY({name},")
+            text = text.replace("TORCH_LIBRARY_IMPL(mrv2_gguf,", f"TORCH_LIBRARY_IMPL({name},")
+        (folder / file).write_text(text)
+    load(name=f"{name}_ext", sources=[str(folder / "gguf_gemv.cpp")], extra_cflags=["-O3", "-fopenmp"],
          extra_ldflags=["-fopenmp"], is_python_module=False)
 
 
-def q4_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    nb = k // 32
-    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
-    scales = torch.cat([torch.rand(n * nb) * 0.01, torch.zeros(8)]).half()
-    mins = torch.cat([torch.rand(n * nb) * -0.01, torch.zeros(8)]).half()
-    return codes, scales, mins
+def sources_at(rev: str) -> dict[str, str]:
+    """gguf_gemv.cpp and the .inc files as they are at git revision `rev`."""
+    names = ["gguf_gemv.cpp"] + [f.name for f in SOURCE_FILES if f.suffix == ".inc"]
+    return {name: subprocess.run(["git", "show", f"{rev}:{KERNELS.relative_to(ROOT) / name}"], cwd=ROOT, check=True,
+                                 capture_output=True, text=True).stdout for name in names}
+
+
+def q4_weight(n: int, k: int, isa: int) -> BlockGemv:
+    """A random Q4_1 [n, k] weight in the block GEMV's layout."""
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales = (torch.rand(n, k // 32) * 0.01).half()
+    mins = (torch.rand(n, k // 32) * -0.01).half()
+    return BlockGemv(QuantizedWeight("Q4_1", codes, scales, mins), isa)
 
 
 def main() -> None:
@@ -49,23 +66,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    old = subprocess.run(["git", "show", f"{args.rev}:mrv2/platforms/cpu_kernels/gguf_gemv.cpp"], cwd=ROOT,
-                         check=True, capture_output=True, text=True).stdout
+    isa = CpuPlatform().gemv_isa()
+    if not isa:
+        raise SystemExit("this CPU has no block GEMV (it needs AVX2, FMA and F16C)")
     with tempfile.TemporaryDirectory() as tmp:
-        build("gemv_old", old, Path(tmp))
-        build("gemv_new", (KERNELS / "gguf_gemv.cpp").read_text(), Path(tmp))
+        build("gemv_old", sources_at(args.rev), Path(tmp) / "old")
+        build("gemv_new", {f.name: f.read_text() for f in SOURCE_FILES}, Path(tmp) / "new")
     ops = {"old": torch.ops.gemv_old.q4_gemv, "new": torch.ops.gemv_new.q4_gemv}
     torch.manual_seed(0)
-    layers = [{s: q4_weight(*shape) for s, shape in SHAPES.items()} for _ in range(30)]
+    layers = [{s: q4_weight(*shape, isa) for s, shape in SHAPES.items()} for _ in range(30)]
     xs = {k: torch.randn(1, k).bfloat16() for k in (576, 1536)}
+
+    def gemv(op, x: torch.Tensor, w: BlockGemv) -> torch.Tensor:
+        return op(x, w.codes, w.scales, w.mins, isa, None)
+
     for s, (_, k) in SHAPES.items():
-        if not torch.equal(ops["old"](xs[k], *layers[0][s], 2, None), ops["new"](xs[k], *layers[0][s], 2, None)):
+        if not torch.equal(gemv(ops["old"], xs[k], layers[0][s]), gemv(ops["new"], xs[k], layers[0][s])):
             print(f"{s}: the two versions' results differ")
 
     def step(op, weights) -> None:
         for w in weights:
             for s, (_, k) in SHAPES.items():
-                op(xs[k], *w[s], 2, None)
+                gemv(op, xs[k], w[s])
 
     for mode, weights in (("stream", layers), ("hot", layers[:1] * 30)):
         ratios, times = [], []
@@ -78,7 +100,7 @@ def main() -> None:
                 took[name] = (time.perf_counter() - start) / 10
             ratios.append(took["new"] / took["old"])
             times.append(took["old"])
-        print(f"{mode}: new/old {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
+        print(f"{mode} ({GEMV_ISAS[isa]}): new/old {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
               f"old {statistics.median(times) * 1e3:.2f} ms a step's GEMVs, {args.threads} threads")
 
 
