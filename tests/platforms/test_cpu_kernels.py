@@ -47,6 +47,18 @@ def test_block_gemv_equals_the_dequantized_weight(isa, qtype, rows, dtype):
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: GEMV_ISAS[i])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("blocks", [1, 3, 18, 23, 48])
+def test_one_row_over_any_number_of_blocks(isa, qtype, blocks):
+    # The single-row AVX-512 Q4 kernel takes 4 blocks a step and converts scales 16 at a time: a row of
+    # 1 or 3 blocks, 18 (16 and 2: the default model's K = 576), 23 (16, 4 and 3) and 48 (K = 1536).
+    weight, ref = quantized(qtype, 37, 32 * blocks, seed=blocks)
+    x = torch.randn(1, 32 * blocks)
+    got = BlockGemv(weight, isa)(x, torch.float32)
+    _close(got, x.double() @ torch.from_numpy(ref).double().t())
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: GEMV_ISAS[i])
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 9])
 def test_block_gemv_writes_float32_for_bf16_activations_unrounded(isa, qtype, rows):
@@ -93,7 +105,8 @@ def test_every_instruction_set_computes_the_same_integer_dot_products():
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_extreme_codes_and_activations_stay_exact(isa, code, sign):
     # Every weight code the same and x at its largest int16 code everywhere: the largest
-    # products the integer sums hold (the single-row AVX-512 kernel keeps the top nibble signed).
+    # products the integer sums hold (the single-row AVX-512 Q4 kernel multiplies x's codes by
+    # their bytes: 32767 and -32767 are high bytes 127 and -128, low bytes 255 and 1).
     n, k = 16, 256
     weight = QuantizedWeight("Q4_1", torch.full((n, k), code, dtype=torch.uint8),
                              torch.full((n, k // 32), 0.5, dtype=torch.float16), torch.full((n, k // 32), -1.0, dtype=torch.float16))

@@ -9,7 +9,8 @@
 // Weights are read from memory once per call whatever the rows of x: a few rows a pass, over
 // tiles of weight rows kept in cache. Output rows are split over the intra-op threads.
 // `isa` is the instruction set the caller found in the CPU's flags: 2 for AVX512-VNNI
-// (vpdpwssd on 256-bit registers), 1 for AVX2.
+// (vpdpwssd on 256-bit registers for a few rows of x; one row of x, the batch-1 decode step,
+// on 512-bit kernels: vpdpbusd over Q4 codes, vpmaddwd over Q8), 1 for AVX2.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -58,12 +59,13 @@ constexpr int64_t padded_blocks(int64_t blocks) { return (blocks + 7) / 8 * 8; }
 constexpr int64_t kScaleTail = 8;
 
 // Rows of x as int16 codes per 32-value block, with each block's scale and exact sum (rows of
-// padded_blocks values).
+// padded_blocks values). Rows the single-row AVX-512 Q4 kernel takes hold their codes as byte
+// planes instead (`planes`, see vnni::quantize_x_planes).
 struct QuantizedX {
   const int16_t* q;
   const float* d;
   const float* s;
-  const float* g;  // 8 * d * the block's codes of x17, x19, ..., x31 (see vnni::dot_row)
+  const uint8_t* planes;
 };
 
 #pragma GCC push_options
@@ -99,45 +101,41 @@ inline __m256 reduce_add_8(const __m512 (&v)[8]) {
   return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), x));
 }
 
-// The rows of one call of `dot_row` (below), R at a time.
-template <int R, bool kQ4, typename T>
-void dot_row_group(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, const uint16_t* m16,
-                   T* out, int64_t n0, int64_t n1) {
+// Weight rows go kGroupRows at a time through the single-row kernels: a short row (K = 576 is 18
+// blocks) spends as much on its scales and final sum as on its blocks, and the rows of a group share
+// x's loads and run as independent chains.
+constexpr int kGroupRows = 8;
+
+// out[r] = the sum of v[r]'s lanes, in _mm512_reduce_add_ps's order for a group of 8 as for one.
+template <int R, typename T>
+inline void store_sums(const __m512 (&v)[R], T* out) {
+  if constexpr (R == 8) {
+    alignas(32) float total[8];
+    _mm256_store_ps(total, reduce_add_8(v));
+    for (int r = 0; r < R; ++r) out[r] = static_cast<T>(total[r]);
+  } else {
+    for (int r = 0; r < R; ++r) out[r] = static_cast<T>(_mm512_reduce_add_ps(v[r]));
+  }
+}
+
+// The rows of one call of `dot_row` (below), R at a time: Q8, int8 codes sign-extended to int16.
+template <int R, typename T>
+void dot_row_group(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, T* out, int64_t n0,
+                   int64_t n1) {
   constexpr int64_t kChunk = 64;  // blocks whose scales are converted at a time
   const int64_t nb = K / 32;
-  const __m512i lane_nibbles = _mm512_setr_epi32(0x000F000F, 0x000F000F, 0x000F000F, 0x000F000F,
-                                                 0x00F000F0, 0x00F000F0, 0x00F000F0, 0x00F000F0,
-                                                 0x0F000F00, 0x0F000F00, 0x0F000F00, 0x0F000F00,
-                                                 int(0xF000F000), int(0xF000F000), int(0xF000F000), int(0xF000F000));
-  const __m512i sign_flip = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, int(0x80008000),
-                                              int(0x80008000), int(0x80008000), int(0x80008000));
-  const __m512 lane_scales = _mm512_setr_ps(1.0f, 1.0f, 1.0f, 1.0f, 1.0f / 16, 1.0f / 16, 1.0f / 16, 1.0f / 16,
-                                            1.0f / 256, 1.0f / 256, 1.0f / 256, 1.0f / 256, 1.0f / 4096,
-                                            1.0f / 4096, 1.0f / 4096, 1.0f / 4096);
   alignas(64) float dd[R][kChunk];
-  const int64_t row_bytes = kQ4 ? K / 2 : K;
   for (int64_t n = n0; n + R <= n1; n += R) {
-    const uint8_t* wrow = codes + n * row_bytes;
-    for (int r = 0; r < R; ++r) {
-      prefetch_ahead(wrow + r * row_bytes, row_bytes, d16 + (n + r) * nb, kQ4 ? m16 + (n + r) * nb : nullptr, nb);
-    }
+    const uint8_t* wrow = codes + n * K;
+    for (int r = 0; r < R; ++r) prefetch_ahead(wrow + r * K, K, d16 + (n + r) * nb, nullptr, nb);
     __m512 acc[R][2];
-    __m256 mins[R];
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-      mins[r] = _mm256_setzero_ps();
-    }
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += kChunk) {
       const int64_t cb = std::min(kChunk, nb - b0);
       for (int r = 0; r < R; ++r) {
         const int64_t at = (n + r) * nb + b0;
         for (int64_t j = 0; j < cb; j += 8) {
-          const __m256 dw = _mm256_cvtph_ps(load128(d16 + at + j));
-          _mm256_store_ps(dd[r] + j, _mm256_mul_ps(dw, _mm256_loadu_ps(qx.d + b0 + j)));
-          if constexpr (kQ4) {
-            mins[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(load128(m16 + at + j)), _mm256_loadu_ps(qx.s + b0 + j),
-                                      _mm256_fmadd_ps(dw, _mm256_loadu_ps(qx.g + b0 + j), mins[r]));
-          }
+          _mm256_store_ps(dd[r] + j, _mm256_mul_ps(_mm256_cvtph_ps(load128(d16 + at + j)), _mm256_loadu_ps(qx.d + b0 + j)));
         }
       }
       // Block j of every row in turn: x's codes are loaded once for the R rows, whose sums are
@@ -146,19 +144,9 @@ void dot_row_group(const QuantizedX& qx, int64_t K, const uint8_t* codes, const 
         const int64_t b = b0 + j;
         const __m512i xq = _mm512_loadu_si512(qx.q + 32 * b);
         for (int r = 0; r < R; ++r) {
-          const uint8_t* w_r = wrow + r * row_bytes;
-          __m512i w;
-          if constexpr (kQ4) {
-            // (codes AND lane_nibbles) XOR sign_flip
-            w = _mm512_ternarylogic_epi32(_mm512_broadcast_i32x4(load128(w_r + 16 * b)), lane_nibbles, sign_flip,
-                                          0x6A);
-          } else {
-            const __m256i v = load256(w_r + 32 * b);  // int16 lane i: weights 2i (low byte) and 2i + 1
-            w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8)),
-                                   _mm256_srai_epi16(v, 8), 1);
-          }
-          // vpmaddwd: vpdpwssd's sums of pairs without an accumulator to zero first (a register copy a
-          // block, on the ports the products need).
+          const __m256i v = load256(wrow + r * K + 32 * b);  // int16 lane i: weights 2i (low byte) and 2i + 1
+          const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8)),
+                                               _mm256_srai_epi16(v, 8), 1);
           const __m512i dot = _mm512_madd_epi16(w, xq);
           acc[r][parity] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dd[r][j]), acc[r][parity]);
         }
@@ -171,43 +159,118 @@ void dot_row_group(const QuantizedX& qx, int64_t K, const uint8_t* codes, const 
       if (j < cb) blocks(j, 0);
     }
     __m512 sums[R];
-    for (int r = 0; r < R; ++r) {
-      const __m512 sum = _mm512_add_ps(acc[r][0], acc[r][1]);
-      sums[r] = kQ4 ? _mm512_fmadd_ps(sum, lane_scales, _mm512_zextps256_ps512(mins[r])) : sum;
-    }
-    if constexpr (R == 8) {
-      alignas(32) float total[8];
-      _mm256_store_ps(total, reduce_add_8(sums));
-      for (int r = 0; r < R; ++r) out[n + r] = static_cast<T>(total[r]);
-    } else {
-      for (int r = 0; r < R; ++r) out[n + r] = static_cast<T>(_mm512_reduce_add_ps(sums[r]));
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_add_ps(acc[r][0], acc[r][1]);
+    store_sums(sums, out + n);
+  }
+}
+
+// out[n] for one row of Q8 weights [n0, n1) and one row of quantized x, 512 bits wide: a block's 32
+// weights unpack into one register as [evens | odds], the order x's codes are stored in, for one
+// vpmaddwd a block. Rows go kGroupRows at a time, sharing x's loads, each row's result what it would
+// be alone (the same sums in the same order).
+template <typename T>
+void dot_row_q8(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, T* out, int64_t n0,
+                int64_t n1) {
+  const int64_t grouped = n0 + (n1 - n0) / kGroupRows * kGroupRows;
+  dot_row_group<kGroupRows, T>(qx, K, codes, d16, out, n0, grouped);
+  dot_row_group<1, T>(qx, K, codes, d16, out, grouped, n1);
+}
+
+// One row of x (fp32 or bf16, nb blocks) quantized as `quantize_x` does (the same int16 codes, scales
+// and sums), its codes stored as byte planes for `dot_row_q4`: per 4 blocks, 256 bytes of 64-byte
+// planes, [high bytes of x0..15 | high bytes of x16..31 | low bytes of x0..15 | low bytes of x16..31],
+// each plane 16 bytes a block (block 4g + k at byte 16k). Blocks past nb are zeros.
+template <typename T>
+void quantize_x_planes(const T* x, int64_t nb, uint8_t* planes, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  if (nb % 4) std::fill(planes + nb / 4 * 256, planes + nb / 4 * 256 + 256, uint8_t{0});
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = load8(x + 32 * b + 8 * i);
+    const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const float mx = hmax(amax);
+    d[b] = mx / 32767.0f;
+    s[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 32767.0f / mx : 0.0f);
+    uint8_t* block = planes + b / 4 * 256 + b % 4 * 16;
+    for (int i = 0; i < 4; ++i) {  // x8i..x8i+7: plane i / 2 (x0..15 or x16..31), bytes 8 * (i % 2) on
+      const __m128i c = _mm256_cvtsepi32_epi16(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
+      uint8_t* at = block + i / 2 * 64 + i % 2 * 8;
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(at), _mm_cvtepi16_epi8(_mm_srai_epi16(c, 8)));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(at + 128), _mm_cvtepi16_epi8(c));
     }
   }
 }
 
-// out[n] for weight rows [n0, n1) and one row of quantized x, 512 bits wide: a block's 32 weights
-// unpack into one register as [evens | odds], the order x's codes are stored in, for one vpmaddwd a
-// block (the 256-bit `dot_rows` takes two vpdpwssd, and twice the unpacking).
-//
-// Q4 unpacks with one mask, no shifts: the block's 16 bytes as 8 int16 words sit in each 128-bit
-// lane L, and lane L keeps nibble L of every word (weights 2i, 2i + 16, 2i + 1, 2i + 17 of word i) in
-// place, as 16^L times the weight. Each lane's products are exact integer multiples of 16^L, scaled
-// back once a row (lane_scales). Nibble 3 fills an int16's sign bit: it is flipped in the same
-// instruction, which makes the lane hold 4096 * (q - 8) for any q; the 8 * x17 + 8 * x19 + ... it
-// leaves out comes back per block with the mins (qx.g). Pairs of products stay below 2^31 in int32.
-// Two integer instructions a block where the shifts took three, on the ports the products need.
-//
-// Rows go kGroupRows at a time: a short row (K = 576 is 18 blocks) spends as much on its scales and
-// final sum as on its blocks, and the rows of a group share x's loads and run as independent chains.
-// Each row's result is what it would be alone (the same sums in the same order).
-constexpr int kGroupRows = 8;
+// The rows of one call of `dot_row_q4` (below), R at a time.
+template <int R, typename T>
+void dot_row_group_q4(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16,
+                      const uint16_t* m16, T* out, int64_t n0, int64_t n1) {
+  const int64_t nb = K / 32, row_bytes = K / 2;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const __m512i lane_blocks = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const int64_t rows_ahead = (kPrefetchBytes + row_bytes - 1) / row_bytes;
+  for (int64_t n = n0; n + R <= n1; n += R) {
+    const uint8_t* wrow = codes + n * row_bytes;
+    // The group's rows are one stretch of codes (and of scales, and of mins).
+    const char* ahead = reinterpret_cast<const char*>(wrow) + kPrefetchBytes;
+    for (int64_t i = 0; i < R * row_bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+    for (int64_t i = 0; i < R * nb * 2; i += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(d16 + (n + rows_ahead) * nb) + i, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(m16 + (n + rows_ahead) * nb) + i, _MM_HINT_T0);
+    }
+    // One sum a row: lanes hold blocks' scaled products and, 16 blocks at a time, mins times x's sums.
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+      const int64_t cb = std::min<int64_t>(16, nb - b0);
+      const auto valid = static_cast<__mmask16>((1u << cb) - 1);
+      const __m512 xd = _mm512_maskz_loadu_ps(valid, qx.d + b0), xs = _mm512_maskz_loadu_ps(valid, qx.s + b0);
+      __m512 dd[R];  // the blocks' weight scales times x's
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (n + r) * nb + b0;
+        dd[r] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, d16 + at)), xd);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, m16 + at)), xs, acc[r]);
+      }
+      for (int64_t j = 0; j < cb; j += 4) {  // 4 blocks: 64 bytes of codes, 128-bit lane k block j + k
+        const uint8_t* xp = qx.planes + (b0 + j) / 4 * 256;
+        const __m512i xh0 = _mm512_loadu_si512(xp), xh1 = _mm512_loadu_si512(xp + 64);
+        const __m512i xl0 = _mm512_loadu_si512(xp + 128), xl1 = _mm512_loadu_si512(xp + 192);
+        const __m512i lane_scale = _mm512_add_epi32(lane_blocks, _mm512_set1_epi32(static_cast<int>(j)));
+        const bool whole = cb - j >= 4;
+        const __mmask64 bytes = whole ? ~__mmask64{0} : (__mmask64{1} << (16 * (cb - j))) - 1;
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* w = wrow + r * row_bytes + 16 * (b0 + j);
+          const __m512i v = whole ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi8(bytes, w);
+          const __m512i q0 = _mm512_and_si512(v, low_nibbles);                         // weights 0..15
+          const __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);  // weights 16..31
+          // q * x = 256 * q * high(x) + q * low(x): the high bytes signed, the low ones unsigned.
+          const __m512i high = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q0, xh0), q1, xh1);
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(high, 8), xl0, q0), xl1, q1);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lane_scale, dd[r]), acc[r]);
+        }
+      }
+    }
+    store_sums(acc, out + n);
+  }
+}
 
-template <bool kQ4, typename T>
-void dot_row(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, const uint16_t* m16,
-             T* out, int64_t n0, int64_t n1) {
+// out[n] for Q4 weight rows [n0, n1) and one row of x in byte planes (`quantize_x_planes`), 512 bits
+// wide: 4 blocks a step. A weight code (0..15) times an int16 code of x is summed by vpdpbusd from
+// its bytes, four products a 32-bit lane: the code against x's high byte (signed), and x's low byte
+// (unsigned) against the code, the first sum shifted up by 8 before the second adds to it. The
+// codes unpack with a mask and a shift (64 bytes, 4 blocks: low nibbles are a block's weights 0..15,
+// high nibbles 16..31, GGUF's order), and each 128-bit lane sums one block, so its scale is one
+// permutation of 16 converted at a time: 11 instructions per 4 blocks where one block a register
+// took 4 a block. Rows go kGroupRows at a time, sharing x's loads, each row's result what it would be
+// alone (the same sums in the same order).
+template <typename T>
+void dot_row_q4(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, const uint16_t* m16,
+                T* out, int64_t n0, int64_t n1) {
   const int64_t grouped = n0 + (n1 - n0) / kGroupRows * kGroupRows;
-  dot_row_group<kGroupRows, kQ4, T>(qx, K, codes, d16, m16, out, n0, grouped);
-  dot_row_group<1, kQ4, T>(qx, K, codes, d16, m16, out, grouped, n1);
+  dot_row_group_q4<kGroupRows, T>(qx, K, codes, d16, m16, out, n0, grouped);
+  dot_row_group_q4<1, T>(qx, K, codes, d16, m16, out, grouped, n1);
 }
 }  // namespace vnni
 #pragma GCC pop_options
@@ -235,24 +298,24 @@ template <bool kQ4, typename T, typename O>
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const uint16_t* mins,
                 int64_t isa) {
   const int64_t rows = x.size(0), K = x.size(1), N = codes.size(0), nb = K / kBlock;
-  std::vector<int16_t> q(rows * K);
   const int64_t nbp = padded_blocks(nb);
-  std::vector<float> d(rows * nbp), s(rows * nbp), g(rows * nbp);
+  const int64_t pass_rows = isa == 2 ? kPassRowsAvx512 : kPassRowsAvx2;
+  // The last row, where it is alone in its pass, goes to the single-row AVX-512 Q4 kernel: its codes
+  // as byte planes.
+  const bool planes_row = kQ4 && isa == 2 && rows % pass_rows == 1;
+  const int64_t int16_rows = rows - planes_row;
+  std::vector<int16_t> q(int16_rows * K);
+  std::vector<uint8_t> planes(planes_row ? (nb + 3) / 4 * 256 : 0);
+  std::vector<float> d(rows * nbp), s(rows * nbp);
   const T* xp = x.data_ptr<T>();
   if (isa == 2) {
-    vnni::quantize_x(xp, rows, nb, q.data(), d.data(), s.data());
+    vnni::quantize_x(xp, int16_rows, nb, q.data(), d.data(), s.data());
+    if (planes_row) {
+      vnni::quantize_x_planes(xp + int16_rows * K, nb, planes.data(), d.data() + int16_rows * nbp,
+                              s.data() + int16_rows * nbp);
+    }
   } else {
     avx2::quantize_x(xp, rows, nb, q.data(), d.data(), s.data());
-  }
-  if (kQ4 && isa == 2) {  // what vnni::dot_row's flipped sign bits leave out
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t b = 0; b < nb; ++b) {
-        const int16_t* odd_high = q.data() + r * K + 32 * b + 24;  // x17, x19, ..., x31
-        int32_t sum = 0;
-        for (int i = 0; i < 8; ++i) sum += odd_high[i];
-        g[r * nbp + b] = 8.0f * d[r * nbp + b] * static_cast<float>(sum);
-      }
-    }
   }
   at::Tensor out = at::empty({rows, N}, x.options().dtype(c10::CppTypeToScalarType<O>::value));
   const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
@@ -260,20 +323,25 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   // About 64K weights a task: smaller pieces cost more in scheduling than they save.
   const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / K);
   O* o = out.data_ptr<O>();
-  const int64_t pass_rows = isa == 2 ? kPassRowsAvx512 : kPassRowsAvx2;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     // Tiles of kTileRows weight rows stay in cache while every pass of rows of
     // x reads them: large batches read the weights from memory once too.
     for (int64_t t0 = n0; t0 < n1; t0 += kTileRows) {
       const int64_t t1 = std::min(t0 + kTileRows, n1);
       for (int64_t r0 = 0; r0 < rows; r0 += pass_rows) {
-        const QuantizedX qx{q.data() + r0 * K, d.data() + r0 * nbp, s.data() + r0 * nbp, g.data() + r0 * nbp};
+        const QuantizedX qx{q.data() + r0 * K, d.data() + r0 * nbp, s.data() + r0 * nbp, planes.data()};
         O* orow = o + r0 * N;
         const int64_t m = std::min(pass_rows, rows - r0);
 #define ROWS(M, ISA) ISA::dot_rows<M, kQ4, O>(qx, K, c, d16, mins, orow, N, t0, t1)
         if (isa == 2) {
           switch (m) {
-            case 1: vnni::dot_row<kQ4, O>(qx, K, c, d16, mins, orow, t0, t1); break;
+            case 1:
+              if constexpr (kQ4) {
+                vnni::dot_row_q4<O>(qx, K, c, d16, mins, orow, t0, t1);
+              } else {
+                vnni::dot_row_q8<O>(qx, K, c, d16, orow, t0, t1);
+              }
+              break;
             case 2: ROWS(2, vnni); break;
             case 3: ROWS(3, vnni); break;
             case 4: ROWS(4, vnni); break;
