@@ -3,8 +3,9 @@
 Both versions of `mrv2/platforms/cpu_kernels/gguf_gemv.cpp` (each with the .inc files of its
 revision) are built under op namespaces of their own; each round runs 30 layers' Q4_1 GEMVs of
 the default model's shapes (one row of bf16 x, weights packed by `BlockGemv`) with every
-layer's weights (read from memory, "stream") or one layer's 30 times (in cache, "hot"), the two
-versions in turn, their order alternating. Prints the median new/old time ratio.
+layer's weights (read from memory, "stream") or one layer's 30 times (in cache, "hot"), and the
+default model's Q8_0 LM head (49152 x 576, fp32 logits, "lm_head"), the two versions in turn,
+their order alternating. Prints the median new/old time ratio of each.
 
     python tools/gemv_ab.py [REV] [--threads N] [--rounds R]
 """
@@ -59,6 +60,12 @@ def q4_weight(n: int, k: int, isa: int) -> BlockGemv:
     return BlockGemv(QuantizedWeight("Q4_1", codes, scales, mins), isa)
 
 
+def q8_weight(n: int, k: int, isa: int) -> BlockGemv:
+    """A random Q8_0 [n, k] weight in the block GEMV's layout."""
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    return BlockGemv(QuantizedWeight("Q8_0", codes, (torch.rand(n, k // 32) * 0.01).half()), isa)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rev", nargs="?", default="HEAD~1")
@@ -73,8 +80,10 @@ def main() -> None:
         build("gemv_old", sources_at(args.rev), Path(tmp) / "old")
         build("gemv_new", {f.name: f.read_text() for f in SOURCE_FILES}, Path(tmp) / "new")
     ops = {"old": torch.ops.gemv_old.q4_gemv, "new": torch.ops.gemv_new.q4_gemv}
+    head_ops = {"old": torch.ops.gemv_old.q8_gemv, "new": torch.ops.gemv_new.q8_gemv}
     torch.manual_seed(0)
     layers = [{s: q4_weight(*shape, isa) for s, shape in SHAPES.items()} for _ in range(30)]
+    head = q8_weight(49152, 576, isa)
     xs = {k: torch.randn(1, k).bfloat16() for k in (576, 1536)}
 
     def gemv(op, x: torch.Tensor, w: BlockGemv) -> torch.Tensor:
@@ -86,25 +95,35 @@ def main() -> None:
         if not torch.equal(old, new):
             diff = ((new - old).abs().max() / old.abs().max()).item()
             print(f"{s}: the two versions' results differ, by up to {diff:.2g} of the largest (fp32) output")
+    old, new = (head_ops[v](xs[576], head.codes, head.scales, isa, torch.float32) for v in ("old", "new"))
+    if not torch.equal(old, new):
+        diff = ((new - old).abs().max() / old.abs().max()).item()
+        print(f"lm_head: the two versions' results differ, by up to {diff:.2g} of the largest (fp32) output")
 
-    def step(op, weights) -> None:
-        for w in weights:
-            for s, (_, k) in SHAPES.items():
-                gemv(op, xs[k], w[s])
+    def layer_steps(weights):
+        def step(name: str) -> None:
+            for w in weights:
+                for s, (_, k) in SHAPES.items():
+                    gemv(ops[name], xs[k], w[s])
+        return step
 
-    for mode, weights in (("stream", layers), ("hot", layers[:1] * 30)):
+    def head_step(name: str) -> None:
+        head_ops[name](xs[576], head.codes, head.scales, isa, torch.float32)
+
+    for mode, step in (("stream", layer_steps(layers)), ("hot", layer_steps(layers[:1] * 30)), ("lm_head", head_step)):
         ratios, times = [], []
         for r in range(args.rounds):
             took = {}
             for name in ("old", "new") if r % 2 else ("new", "old"):
                 start = time.perf_counter()
                 for _ in range(10):
-                    step(ops[name], weights)
+                    step(name)
                 took[name] = (time.perf_counter() - start) / 10
             ratios.append(took["new"] / took["old"])
             times.append(took["old"])
         print(f"{mode} ({GEMV_ISAS[isa]}): new/old {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
-              f"old {statistics.median(times) * 1e3:.2f} ms a step's GEMVs, {args.threads} threads")
+              f"old {statistics.median(times) * 1e3:.2f} ms a step's {'LM head' if mode == 'lm_head' else 'GEMVs'}, "
+              f"{args.threads} threads")
 
 
 if __name__ == "__main__":

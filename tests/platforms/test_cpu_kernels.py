@@ -47,11 +47,12 @@ def test_block_gemv_equals_the_dequantized_weight(isa, qtype, rows, dtype):
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: GEMV_ISAS[i])
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("blocks", [1, 3, 18, 23, 48])
 def test_one_row_over_any_number_of_blocks(isa, qtype, blocks):
-    # The single-row AVX-512 Q4 kernel takes 4 blocks a step and converts scales 16 at a time: a row of
-    # 1 or 3 blocks, 18 (16 and 2: the default model's K = 576), 23 (16, 4 and 3) and 48 (K = 1536).
+    # The single-row AVX-512 kernels take 4 blocks (Q4) or 2 (Q8) a step and convert scales 16 at a
+    # time: a row of 1 or 3 blocks, 18 (16 and 2: the default model's K = 576), 23 (16, 4 and 3) and
+    # 48 (K = 1536).
     weight, ref = quantized(qtype, 37, 32 * blocks, seed=blocks)
     x = torch.randn(1, 32 * blocks)
     got = BlockGemv(weight, isa)(x, torch.float32)

@@ -32,16 +32,19 @@ constexpr int64_t kBlock = 32;
 // (49152 x 576, one row of x, 2 vCPU Sapphire Rapids): 1.1-1.4 ms against 1.8-2.1 without.
 constexpr int64_t kPrefetchBytes = 2048;
 
-// Touches the lines `kPrefetchBytes` past `row` (a weight row of `row_bytes`) and the `nb` per-block
-// scales (and mins) of the row that far ahead; past the end of the weights it touches nothing that faults.
-inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint16_t* d16, const uint16_t* m16,
-                           int64_t nb) {
-  const char* ahead = reinterpret_cast<const char*>(row) + kPrefetchBytes;
-  for (int64_t i = 0; i < row_bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-  const int64_t rows_ahead = (kPrefetchBytes + row_bytes - 1) / row_bytes;
-  for (int64_t i = 0; i < nb * 2; i += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(d16 + rows_ahead * nb) + i, _MM_HINT_T0);
-    if (m16 != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m16 + rows_ahead * nb) + i, _MM_HINT_T0);
+// Weight rows the scales are prefetched ahead by: those kPrefetchBytes of codes ahead.
+constexpr int64_t rows_ahead(int64_t row_bytes) { return (kPrefetchBytes + row_bytes - 1) / row_bytes; }
+
+// Touches the lines `kPrefetchBytes` past `rows` (`num_rows` weight rows of `row_bytes`, one stretch)
+// and the per-block scales (and mins) of as many rows from `d16_ahead` (and `m16_ahead`): those
+// `rows_ahead` rows on. Past the end of the weights it touches nothing that faults.
+inline void prefetch_ahead(const uint8_t* rows, int64_t row_bytes, int64_t num_rows, const uint16_t* d16_ahead,
+                           const uint16_t* m16_ahead, int64_t nb) {
+  const char* ahead = reinterpret_cast<const char*>(rows) + kPrefetchBytes;
+  for (int64_t i = 0; i < num_rows * row_bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+  for (int64_t i = 0; i < num_rows * nb * 2; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(d16_ahead) + i, _MM_HINT_T0);
+    if (m16_ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m16_ahead) + i, _MM_HINT_T0);
   }
 }
 
@@ -118,72 +121,24 @@ inline void store_sums(const __m512 (&v)[R], T* out) {
   }
 }
 
-// The rows of one call of `dot_row` (below), R at a time: Q8, int8 codes sign-extended to int16.
-template <int R, typename T>
-void dot_row_group(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, T* out, int64_t n0,
-                   int64_t n1) {
-  constexpr int64_t kChunk = 64;  // blocks whose scales are converted at a time
-  const int64_t nb = K / 32;
-  alignas(64) float dd[R][kChunk];
-  for (int64_t n = n0; n + R <= n1; n += R) {
-    const uint8_t* wrow = codes + n * K;
-    for (int r = 0; r < R; ++r) prefetch_ahead(wrow + r * K, K, d16 + (n + r) * nb, nullptr, nb);
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t b0 = 0; b0 < nb; b0 += kChunk) {
-      const int64_t cb = std::min(kChunk, nb - b0);
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (n + r) * nb + b0;
-        for (int64_t j = 0; j < cb; j += 8) {
-          _mm256_store_ps(dd[r] + j, _mm256_mul_ps(_mm256_cvtph_ps(load128(d16 + at + j)), _mm256_loadu_ps(qx.d + b0 + j)));
-        }
-      }
-      // Block j of every row in turn: x's codes are loaded once for the R rows, whose sums are
-      // independent chains. Even and odd blocks of a row keep separate sums, as one row alone does.
-      auto blocks = [&](int64_t j, int parity) __attribute__((always_inline)) {
-        const int64_t b = b0 + j;
-        const __m512i xq = _mm512_loadu_si512(qx.q + 32 * b);
-        for (int r = 0; r < R; ++r) {
-          const __m256i v = load256(wrow + r * K + 32 * b);  // int16 lane i: weights 2i (low byte) and 2i + 1
-          const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8)),
-                                               _mm256_srai_epi16(v, 8), 1);
-          const __m512i dot = _mm512_madd_epi16(w, xq);
-          acc[r][parity] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dd[r][j]), acc[r][parity]);
-        }
-      };
-      int64_t j = 0;
-      for (; j + 2 <= cb; j += 2) {
-        blocks(j, 0);
-        blocks(j + 1, 1);
-      }
-      if (j < cb) blocks(j, 0);
-    }
-    __m512 sums[R];
-    for (int r = 0; r < R; ++r) sums[r] = _mm512_add_ps(acc[r][0], acc[r][1]);
-    store_sums(sums, out + n);
-  }
-}
-
-// out[n] for one row of Q8 weights [n0, n1) and one row of quantized x, 512 bits wide: a block's 32
-// weights unpack into one register as [evens | odds], the order x's codes are stored in, for one
-// vpmaddwd a block. Rows go kGroupRows at a time, sharing x's loads, each row's result what it would
-// be alone (the same sums in the same order).
-template <typename T>
-void dot_row_q8(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, T* out, int64_t n0,
-                int64_t n1) {
-  const int64_t grouped = n0 + (n1 - n0) / kGroupRows * kGroupRows;
-  dot_row_group<kGroupRows, T>(qx, K, codes, d16, out, n0, grouped);
-  dot_row_group<1, T>(qx, K, codes, d16, out, grouped, n1);
-}
+// x's codes as byte planes for the single-row kernels, the int16 code's high byte (signed) and low
+// byte (unsigned) apart, in groups of blocks the kernels take a step at a time:
+// - Q4, 4 blocks, 256 bytes: 64-byte planes [high bytes of x0..15 | high bytes of x16..31 | low
+//   bytes of x0..15 | low bytes of x16..31], each 16 bytes a block (block 4g + k at byte 16k);
+// - Q8, 2 blocks, 192 bytes: [high bytes of x0..31 | low bytes of x0..31] (block 2g + k at byte 32k),
+//   then 16 int32: -128 times the sums of the high bytes, 4 a 32-bit lane (see dot_row_group_q8).
+// Blocks past nb are zeros.
+constexpr int64_t plane_group_blocks(bool q4) { return q4 ? 4 : 2; }
+constexpr int64_t plane_group_bytes(bool q4) { return q4 ? 256 : 192; }
 
 // One row of x (fp32 or bf16, nb blocks) quantized as `quantize_x` does (the same int16 codes, scales
-// and sums), its codes stored as byte planes for `dot_row_q4`: per 4 blocks, 256 bytes of 64-byte
-// planes, [high bytes of x0..15 | high bytes of x16..31 | low bytes of x0..15 | low bytes of x16..31],
-// each plane 16 bytes a block (block 4g + k at byte 16k). Blocks past nb are zeros.
-template <typename T>
+// and sums), its codes as byte planes.
+template <bool kQ4, typename T>
 void quantize_x_planes(const T* x, int64_t nb, uint8_t* planes, float* d, float* s) {
+  constexpr int64_t kBlocks = plane_group_blocks(kQ4), kBytes = plane_group_bytes(kQ4);
+  const int64_t groups = (nb + kBlocks - 1) / kBlocks;
+  if (nb % kBlocks) std::fill(planes + (groups - 1) * kBytes, planes + groups * kBytes, uint8_t{0});
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  if (nb % 4) std::fill(planes + nb / 4 * 256, planes + nb / 4 * 256 + 256, uint8_t{0});
   for (int64_t b = 0; b < nb; ++b) {
     __m256 v[4];
     for (int i = 0; i < 4; ++i) v[i] = load8(x + 32 * b + 8 * i);
@@ -193,14 +148,77 @@ void quantize_x_planes(const T* x, int64_t nb, uint8_t* planes, float* d, float*
     d[b] = mx / 32767.0f;
     s[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 32767.0f / mx : 0.0f);
-    uint8_t* block = planes + b / 4 * 256 + b % 4 * 16;
-    for (int i = 0; i < 4; ++i) {  // x8i..x8i+7: plane i / 2 (x0..15 or x16..31), bytes 8 * (i % 2) on
+    uint8_t* block = planes + b / kBlocks * kBytes + b % kBlocks * (kQ4 ? 16 : 32);
+    for (int i = 0; i < 4; ++i) {  // x8i..x8i+7
       const __m128i c = _mm256_cvtsepi32_epi16(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
-      uint8_t* at = block + i / 2 * 64 + i % 2 * 8;
+      uint8_t* at = kQ4 ? block + i / 2 * 64 + i % 2 * 8 : block + 8 * i;
       _mm_storel_epi64(reinterpret_cast<__m128i*>(at), _mm_cvtepi16_epi8(_mm_srai_epi16(c, 8)));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(at + 128), _mm_cvtepi16_epi8(c));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(at + (kQ4 ? 128 : 64)), _mm_cvtepi16_epi8(c));
     }
   }
+  if constexpr (!kQ4) {
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* group = planes + g * kBytes;
+      const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_loadu_si512(group));
+      _mm512_storeu_si512(group + 128, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7)));
+    }
+  }
+}
+
+// The rows of one call of `dot_row_q8` (below), R at a time.
+template <int R, typename T>
+void dot_row_group_q8(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, T* out,
+                      int64_t n0, int64_t n1) {
+  const int64_t nb = K / 32;
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i lane_blocks = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const int64_t ahead = rows_ahead(K) * nb;
+  for (int64_t n = n0; n + R <= n1; n += R) {
+    const uint8_t* wrow = codes + n * K;
+    prefetch_ahead(wrow, K, R, d16 + n * nb + ahead, nullptr, nb);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+      const int64_t cb = std::min<int64_t>(16, nb - b0);
+      const auto valid = static_cast<__mmask16>((1u << cb) - 1);
+      const __m512 xd = _mm512_maskz_loadu_ps(valid, qx.d + b0);
+      __m512 dd[R];  // the blocks' weight scales times x's
+      for (int r = 0; r < R; ++r) {
+        dd[r] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, d16 + (n + r) * nb + b0)), xd);
+      }
+      for (int64_t j = 0; j < cb; j += 2) {  // 2 blocks: 64 bytes of codes, 256-bit half k block j + k
+        const uint8_t* xp = qx.planes + (b0 + j) / 2 * plane_group_bytes(false);
+        const __m512i xh = _mm512_loadu_si512(xp), xl = _mm512_loadu_si512(xp + 64);
+        const __m512i high_bias = _mm512_loadu_si512(xp + 128);
+        const __m512i lane_scale = _mm512_add_epi32(lane_blocks, _mm512_set1_epi32(static_cast<int>(j)));
+        const bool whole = cb - j >= 2;
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* w = wrow + r * K + 32 * (b0 + j);
+          const __m512i v = whole ? _mm512_loadu_si512(w) : _mm512_zextsi256_si512(load256(w));
+          // q * x = 256 * q * high(x) + low(x) * q, the first as (q + 128) * high(x) less 128 * high(x),
+          // the high bytes' sum starting the accumulator.
+          const __m512i high = _mm512_dpbusd_epi32(high_bias, _mm512_xor_si512(v, bias), xh);
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 8), xl, v);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lane_scale, dd[r]), acc[r]);
+        }
+      }
+    }
+    store_sums(acc, out + n);
+  }
+}
+
+// out[n] for Q8 weight rows [n0, n1) and one row of x in byte planes (`quantize_x_planes`), 512 bits
+// wide: 2 blocks a step, each 256-bit half one block. Signed codes against x's signed high bytes
+// take vpdpbusd as codes + 128 (unsigned) less 128 times the high bytes' sums; x's low bytes
+// (unsigned) multiply the codes as they are. 7 instructions per 2 blocks where sign-extending each
+// block to int16 for vpmaddwd took 7 a block. Rows go kGroupRows at a time, sharing x's loads, each
+// row's result what it would be alone (the same sums in the same order).
+template <typename T>
+void dot_row_q8(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, T* out, int64_t n0,
+                int64_t n1) {
+  const int64_t grouped = n0 + (n1 - n0) / kGroupRows * kGroupRows;
+  dot_row_group_q8<kGroupRows, T>(qx, K, codes, d16, out, n0, grouped);
+  dot_row_group_q8<1, T>(qx, K, codes, d16, out, grouped, n1);
 }
 
 // The rows of one call of `dot_row_q4` (below), R at a time.
@@ -210,16 +228,10 @@ void dot_row_group_q4(const QuantizedX& qx, int64_t K, const uint8_t* codes, con
   const int64_t nb = K / 32, row_bytes = K / 2;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   const __m512i lane_blocks = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const int64_t rows_ahead = (kPrefetchBytes + row_bytes - 1) / row_bytes;
+  const int64_t ahead = rows_ahead(row_bytes) * nb;
   for (int64_t n = n0; n + R <= n1; n += R) {
     const uint8_t* wrow = codes + n * row_bytes;
-    // The group's rows are one stretch of codes (and of scales, and of mins).
-    const char* ahead = reinterpret_cast<const char*>(wrow) + kPrefetchBytes;
-    for (int64_t i = 0; i < R * row_bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-    for (int64_t i = 0; i < R * nb * 2; i += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(d16 + (n + rows_ahead) * nb) + i, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(m16 + (n + rows_ahead) * nb) + i, _MM_HINT_T0);
-    }
+    prefetch_ahead(wrow, row_bytes, R, d16 + n * nb + ahead, m16 + n * nb + ahead, nb);
     // One sum a row: lanes hold blocks' scaled products and, 16 blocks at a time, mins times x's sums.
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -234,7 +246,7 @@ void dot_row_group_q4(const QuantizedX& qx, int64_t K, const uint8_t* codes, con
         acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, m16 + at)), xs, acc[r]);
       }
       for (int64_t j = 0; j < cb; j += 4) {  // 4 blocks: 64 bytes of codes, 128-bit lane k block j + k
-        const uint8_t* xp = qx.planes + (b0 + j) / 4 * 256;
+        const uint8_t* xp = qx.planes + (b0 + j) / 4 * plane_group_bytes(true);
         const __m512i xh0 = _mm512_loadu_si512(xp), xh1 = _mm512_loadu_si512(xp + 64);
         const __m512i xl0 = _mm512_loadu_si512(xp + 128), xl1 = _mm512_loadu_si512(xp + 192);
         const __m512i lane_scale = _mm512_add_epi32(lane_blocks, _mm512_set1_epi32(static_cast<int>(j)));
@@ -300,18 +312,19 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   const int64_t rows = x.size(0), K = x.size(1), N = codes.size(0), nb = K / kBlock;
   const int64_t nbp = padded_blocks(nb);
   const int64_t pass_rows = isa == 2 ? kPassRowsAvx512 : kPassRowsAvx2;
-  // The last row, where it is alone in its pass, goes to the single-row AVX-512 Q4 kernel: its codes
-  // as byte planes.
-  const bool planes_row = kQ4 && isa == 2 && rows % pass_rows == 1;
+  // The last row, where it is alone in its pass, goes to a single-row AVX-512 kernel: its codes as
+  // byte planes.
+  const bool planes_row = isa == 2 && rows % pass_rows == 1;
   const int64_t int16_rows = rows - planes_row;
   std::vector<int16_t> q(int16_rows * K);
-  std::vector<uint8_t> planes(planes_row ? (nb + 3) / 4 * 256 : 0);
+  const int64_t groups = (nb + vnni::plane_group_blocks(kQ4) - 1) / vnni::plane_group_blocks(kQ4);
+  std::vector<uint8_t> planes(planes_row ? groups * vnni::plane_group_bytes(kQ4) : 0);
   std::vector<float> d(rows * nbp), s(rows * nbp);
   const T* xp = x.data_ptr<T>();
   if (isa == 2) {
     vnni::quantize_x(xp, int16_rows, nb, q.data(), d.data(), s.data());
     if (planes_row) {
-      vnni::quantize_x_planes(xp + int16_rows * K, nb, planes.data(), d.data() + int16_rows * nbp,
+      vnni::quantize_x_planes<kQ4>(xp + int16_rows * K, nb, planes.data(), d.data() + int16_rows * nbp,
                               s.data() + int16_rows * nbp);
     }
   } else {
