@@ -1,5 +1,7 @@
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -152,3 +154,25 @@ def test_default_model_tokenizer(converted_default_model):
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_f32_copy_of_a_quantized_file_converts_to_the_same_weights(tmp_path, tiny_gguf):
+    # tools/gguf_to_f32.py writes the F32 GGUF llama.cpp's fp32 figures run on: every tensor its
+    # source's dequantization, every metadata field as it was (the file type now F32).
+    tiny_gguf(tmp_path / "q.gguf")
+    tool = Path(__file__).resolve().parents[2] / "tools" / "gguf_to_f32.py"
+    subprocess.run([sys.executable, str(tool), str(tmp_path / "q.gguf"), str(tmp_path / "f32.gguf")], check=True)
+    source, copy = GGUFReader(tmp_path / "q.gguf"), GGUFReader(tmp_path / "f32.gguf")
+    assert {t.name for t in copy.tensors} == {t.name for t in source.tensors}
+    assert {t.tensor_type.name for t in copy.tensors} == {"F32"}
+    assert any(t.tensor_type.name == "Q8_0" for t in source.tensors)
+    kept = [name for name in source.fields if not name.startswith("GGUF.") and name != "general.file_type"]
+    for name in kept:
+        assert copy.fields[name].contents() == source.fields[name].contents(), name
+    assert copy.fields["general.file_type"].contents() == 0  # LlamaFileType.ALL_F32
+    convert_gguf_to_hf(tmp_path / "q.gguf", tmp_path / "hf_q")
+    convert_gguf_to_hf(tmp_path / "f32.gguf", tmp_path / "hf_f32")
+    want, got = dict(iter_safetensors_weights(tmp_path / "hf_q")), dict(iter_safetensors_weights(tmp_path / "hf_f32"))
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
