@@ -10,7 +10,7 @@
 // tiles of weight rows kept in cache. Output rows are split over the intra-op threads.
 // `isa` is the instruction set the caller found in the CPU's flags: 2 for AVX512-VNNI
 // (vpdpwssd on 256-bit registers for a few rows of x; one row of x, the batch-1 decode step,
-// on 512-bit kernels: vpdpbusd over Q4 codes, vpmaddwd over Q8), 1 for AVX2.
+// on 512-bit kernels: vpdpbusd over Q4 and Q8 codes and x's codes as bytes), 1 for AVX2.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -138,16 +138,9 @@ void quantize_x_planes(const T* x, int64_t nb, uint8_t* planes, float* d, float*
   constexpr int64_t kBlocks = plane_group_blocks(kQ4), kBytes = plane_group_bytes(kQ4);
   const int64_t groups = (nb + kBlocks - 1) / kBlocks;
   if (nb % kBlocks) std::fill(planes + (groups - 1) * kBytes, planes + groups * kBytes, uint8_t{0});
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < nb; ++b) {
     __m256 v[4];
-    for (int i = 0; i < 4; ++i) v[i] = load8(x + 32 * b + 8 * i);
-    const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    const float mx = hmax(amax);
-    d[b] = mx / 32767.0f;
-    s[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-    const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 32767.0f / mx : 0.0f);
+    const __m256 inv = load_block(x + 32 * b, v, d[b], s[b]);
     uint8_t* block = planes + b / kBlocks * kBytes + b % kBlocks * (kQ4 ? 16 : 32);
     for (int i = 0; i < 4; ++i) {  // x8i..x8i+7
       const __m128i c = _mm256_cvtsepi32_epi16(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
