@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from mrv2.config import KVLayout
 from mrv2.kv_spec import KVCacheSpec
+
+if TYPE_CHECKING:
+    from mrv2.platforms import Platform
 
 
 @dataclass
@@ -64,6 +67,11 @@ class AttentionBackend(ABC):
     # request's length from `seq_lens`: one FULL graph then serves every sequence length (no key-length
     # buckets), and torch.compile can hold the whole step where a platform compiles graphs.
     compiled_decode_graphs: bool = False
+
+    @classmethod
+    def for_platform(cls, platform: Platform) -> AttentionBackend:
+        """An instance set up for `platform` (e.g. the instruction set its kernels run there)."""
+        return cls()
 
     @classmethod
     def is_available(cls) -> bool:

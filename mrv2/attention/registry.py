@@ -55,15 +55,15 @@ def get_attention_backend(platform: Platform, kind: str, batch_invariant: bool =
                              f"{kind!r} (those: {sorted(n for n, c in backends.items() if c.kind == kind)})")
         if not cls.is_available():
             raise ValueError(f"attention_backend {name!r} is not available here")
-        return cls()
+        return cls.for_platform(platform)
     if batch_invariant:
         for cls in backends.values():
             if cls.batch_invariant and cls.kind == kind and cls.is_available():
-                return cls()
+                return cls.for_platform(platform)
         raise ValueError(f"batch_invariant=True: no batch-invariant {kind!r} attention backend is available")
     for name in names:
         cls = backends.get(name)
         if cls is not None and cls.kind == kind and cls.is_available():
-            return cls()
+            return cls.for_platform(platform)
     raise ValueError(f"no available {kind!r} attention backend on platform {platform.name!r}: it prefers "
                      f"{list(names)}; registered: {sorted(n for n, c in backends.items() if c.kind == kind)}")

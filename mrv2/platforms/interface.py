@@ -152,6 +152,10 @@ class Platform(ABC):
             raise ValueError(f"attention kind must be one of {sorted(self.attention_backends)}, got {kind!r}")
         return self.attention_backends[kind]
 
+    def attention_isa(self) -> int:
+        """The instruction set the platform's own attention kernel runs here (its numbering; 0: it has none)."""
+        return 0
+
     def graph_backend(self, config: GraphConfig) -> GraphBackend:
         """How this device records and replays forwards for `config` (eager re-runs where it has no graphs)."""
         return EagerGraphBackend()

@@ -11,8 +11,15 @@ import torch
 
 from mrv2.attention.cpp_paged import CppPagedAttention, kernel_loaded
 from mrv2.attention.paged_decode import paged_decode_attention
+from mrv2.attention.registry import get_attention_backend
 from mrv2.kv_spec import placement_in
 from mrv2.platforms.cpu import CpuPlatform
+
+
+MACHINE_ISA = CpuPlatform().attention_isa()
+# Every kernel this CPU can run: the AVX2 one, and the AVX-512 one where it has AVX512-BF16.
+ISAS = [pytest.param(isa, id=f"isa{isa}", marks=pytest.mark.skipif(isa > MACHINE_ISA, reason="needs AVX512-BF16"))
+        for isa in (1, 2)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -36,39 +43,45 @@ def _case(rows: int, heads: int, kv_heads: int, dim: int, dim_v: int, block_size
     return q, k, v, table, lens
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("rows, heads, kv_heads, dim, dim_v, block_size, max_len", [
     (1, 9, 3, 64, 64, 16, 160),  # the default model at batch 1: its KV heads split over the threads
     (64, 9, 3, 64, 64, 16, 97),  # at batch 64: split over the threads
     (3, 8, 8, 128, 128, 4, 33),  # one query head per KV head
-    (5, 8, 2, 12, 20, 16, 40),  # head dims that are not multiples of the vector width, Dv != D
+    (2, 16, 2, 64, 128, 16, 200),  # 8 query heads per KV head (two groups of 4 on AVX-512), Dv != D
+    (4, 7, 1, 32, 64, 3, 41),  # 7 heads a KV head (4 + 3), a block size that splits the 16-token steps
+    (1, 9, 3, 64, 64, 16, 5),  # fewer keys than a 16-token step
+    (5, 8, 2, 12, 20, 16, 40),  # head dims that are not multiples of the vector width (AVX2 on either isa)
     (2, 4, 1, 8, 8, 1, 7),  # one token per block
 ])
-def test_the_kernel_computes_the_definition(dtype, tol, rows, heads, kv_heads, dim, dim_v, block_size, max_len):
+def test_the_kernel_computes_the_definition(isa, dtype, tol, rows, heads, kv_heads, dim, dim_v, block_size, max_len):
     q, k, v, table, lens = _case(rows, heads, kv_heads, dim, dim_v, block_size, max_len, dtype)
-    got = torch.ops.mrv2.paged_decode_attention(q, k, v, table, lens, dim ** -0.5)
+    got = torch.ops.mrv2.paged_decode_attention(q, k, v, table, lens, dim ** -0.5, isa)
     want = paged_decode_attention(q, k, v, table, lens, dim ** -0.5)
     assert got.dtype == dtype and got.shape == (rows, heads, dim_v)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_views_of_one_cache_and_strided_queries_read_the_right_values():
+@pytest.mark.parametrize("isa", ISAS)
+def test_views_of_one_cache_and_strided_queries_read_the_right_values(isa):
     # The joint layout: K and V are views of one tensor; queries come out of a fused projection.
-    q, k, v, table, lens = _case(4, 8, 2, 16, 16, 16, 50, torch.float32)
+    q, k, v, table, lens = _case(4, 8, 2, 64, 64, 16, 50, torch.float32)
     joint = torch.cat([k, v], dim=-1)
-    qkv = torch.cat([q, torch.randn(4, 4, 16)], dim=1)
-    got = torch.ops.mrv2.paged_decode_attention(qkv[:, :8], joint[..., :16], joint[..., 16:], table, lens, 0.25)
-    torch.testing.assert_close(got, paged_decode_attention(q, k, v, table, lens, 0.25), rtol=1e-5, atol=1e-5)
+    qkv = torch.cat([q, torch.randn(4, 4, 64)], dim=1)
+    got = torch.ops.mrv2.paged_decode_attention(qkv[:, :8], joint[..., :64], joint[..., 64:], table, lens, 0.125, isa)
+    torch.testing.assert_close(got, paged_decode_attention(q, k, v, table, lens, 0.125), rtol=1e-5, atol=1e-5)
 
 
-def test_rows_past_the_batch_and_padded_rows():
-    q, k, v, table, lens = _case(3, 4, 2, 16, 16, 4, 20, torch.float32)
+@pytest.mark.parametrize("isa", ISAS)
+def test_rows_past_the_batch_and_padded_rows(isa):
+    q, k, v, table, lens = _case(3, 4, 2, 64, 64, 4, 20, torch.float32)
     lens[1] = 0  # a padded row attends nothing: zeros
     longer_table = torch.cat([table, table], dim=0)  # the runner's tables hold every slot's row
-    got = torch.ops.mrv2.paged_decode_attention(q, k, v, longer_table, lens, 0.25)
+    got = torch.ops.mrv2.paged_decode_attention(q, k, v, longer_table, lens, 0.125, isa)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     keep = [0, 2]
-    torch.testing.assert_close(got[keep], paged_decode_attention(q[keep], k, v, table[keep], lens[keep], 0.25))
+    torch.testing.assert_close(got[keep], paged_decode_attention(q[keep], k, v, table[keep], lens[keep], 0.125))
 
 
 @pytest.mark.parametrize("change, match", [
@@ -100,20 +113,23 @@ def _in_one_allocation(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, 
     return raw, cut[..., :k.shape[-1]], cut[..., k.shape[-1]:]
 
 
-def test_a_decode_step_writes_its_keys_and_values_then_attends():
-    q, k, v, table, lens = _case(3, 4, 2, 16, 16, 4, 20, torch.float32)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("d", [16, 64])
+def test_a_decode_step_writes_its_keys_and_values_then_attends(isa, d):
+    q, k, v, table, lens = _case(3, 4, 2, d, d, 4, 20, torch.float32)
     raw, k_view, v_view = _in_one_allocation(k, v)
-    new_k, new_v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    new_k, new_v = torch.randn(3, 2, d), torch.randn(3, 2, d)
     slots = torch.stack([table[r, (n - 1) // 4].long() * 4 + (n - 1) % 4 for r, n in enumerate(lens.tolist())])
     want_k, want_v = k.clone(), v.clone()
     want_k.flatten(0, 1)[slots] = new_k
     want_v.flatten(0, 1)[slots] = new_v
-    padded = torch.cat([q, torch.full((2, 4, 16), float("nan"))])  # graph padding rows: zeros out
+    padded = torch.cat([q, torch.full((2, 4, d), float("nan"))])  # graph padding rows: zeros out
     at_k, at_v = placement_in(raw, k_view), placement_in(raw, v_view)
-    got = torch.ops.mrv2.paged_decode_attention_with_kv(padded, new_k, new_v, raw, at_k, at_v, slots, table, lens, 0.25)
+    got = torch.ops.mrv2.paged_decode_attention_with_kv(padded, new_k, new_v, raw, at_k, at_v, slots, table, lens,
+                                                        0.25, isa)
     assert torch.equal(k_view, want_k) and torch.equal(v_view, want_v)
     torch.testing.assert_close(got[:3], paged_decode_attention(q, want_k, want_v, table, lens, 0.25))
-    assert torch.equal(got[3:], torch.zeros(2, 4, 16))
+    assert torch.equal(got[3:], torch.zeros(2, 4, d))
     with pytest.raises(RuntimeError, match="outside the cache"):
         torch.ops.mrv2.paged_decode_attention_with_kv(q, new_k, new_v, raw, at_k, at_v, slots + 10 ** 6, table, lens,
                                                       0.25)
@@ -139,3 +155,26 @@ def test_a_bad_placement_in_the_allocation_names_the_problem(change, match):
 def test_a_cpu_without_avx2_keeps_inductors_kernel():
     names = CpuPlatform(flags=frozenset({"sse4_2"})).attention_backend_names("gqa")
     assert names[0] == "inductor-paged" and "cpp-paged" not in names
+
+
+def test_an_unknown_instruction_set_is_refused():
+    q, k, v, table, lens = _case(2, 4, 2, 64, 64, 4, 10, torch.float32)
+    with pytest.raises(RuntimeError, match="isa must be 1"):
+        torch.ops.mrv2.paged_decode_attention(q, k, v, table, lens, 0.125, 3)
+
+
+AVX2 = {"avx2", "fma", "f16c"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+
+
+@pytest.mark.parametrize("flags, isa", [
+    (AVX2, 1),  # an AVX2-only Zen 3
+    (AVX512, 1),  # AVX-512 without bf16 dot products (Ice Lake): the AVX2 kernel
+    (AVX512 | {"avx512_bf16", "amx_bf16"}, 2),  # Sapphire Rapids
+    (AVX512 | {"avx512_bf16"}, 2),  # Zen 4
+])
+def test_the_backend_runs_the_kernel_the_cpus_flags_allow(flags, isa):
+    platform = CpuPlatform(flags=frozenset(flags))
+    assert platform.attention_isa() == isa
+    backend = get_attention_backend(platform, "gqa")
+    assert isinstance(backend, CppPagedAttention) and backend.isa == isa

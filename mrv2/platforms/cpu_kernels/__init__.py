@@ -63,9 +63,10 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2])
 
     @torch.library.register_fake("mrv2::paged_decode_attention")
-    def _attention(query, k_cache, v_cache, block_table, seq_lens, scale):
+    def _attention(query, k_cache, v_cache, block_table, seq_lens, scale, isa=1):
         return query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
 
     @torch.library.register_fake("mrv2::paged_decode_attention_with_kv")
-    def _attention_with_kv(query, key, value, kv_cache, k_view, v_view, slot_mapping, block_table, seq_lens, scale):
+    def _attention_with_kv(query, key, value, kv_cache, k_view, v_view, slot_mapping, block_table, seq_lens, scale,
+                           isa=1):
         return query.new_empty(query.shape[0], query.shape[1], v_view[4])

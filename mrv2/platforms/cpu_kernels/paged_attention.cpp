@@ -6,6 +6,10 @@
 // then sums the values weighted by its softmax, with the tokens ahead prefetched. Tasks are split
 // over torch's intra-op threads where there is enough work; a single short request runs on the
 // calling thread, where a parallel region would cost more than it saves.
+//
+// `isa` (the caller's choice from the CPU's flags): 1 runs the AVX2 kernel below, 2 the AVX-512 one
+// (paged_attention_avx512.inc, which needs AVX512-BF16) for head dims that are multiples of 32
+// (values: of 64), the AVX2 one for others.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +27,7 @@
 
 // torch's vectorized exp (SLEEF, 1 ulp), exported by libtorch_cpu: what ATen's own softmax calls.
 extern "C" __m256 Sleef_expf8_u10(__m256);
+extern "C" __m512 Sleef_expf16_u10(__m512);
 
 namespace {
 
@@ -147,9 +152,15 @@ void attend_request(const float* q, int64_t heads, int64_t g, int64_t d, int64_t
   }
 }
 
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#include "paged_attention_avx512.inc"
+#pragma GCC pop_options
+
 template <typename T>
 void decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t rows, at::Tensor& out) {
+            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t rows, int64_t isa,
+            at::Tensor& out) {
   const int64_t heads = query.size(1), d = query.size(2);
   const int64_t kv_heads = k_cache.size(2), dv = v_cache.size(3), g = heads / kv_heads;
   const int64_t block_size = k_cache.size(1);
@@ -172,8 +183,11 @@ void decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   const int64_t split = rows < at::get_num_threads() ? kv_heads : 1, task_kv_heads = kv_heads / split;
   const int64_t task_heads = task_kv_heads * g;
   const int64_t grain = std::max<int64_t>(1, kTaskKeyHeads / std::max<int64_t>(1, longest * task_heads));
+  const bool wide = isa == 2 && d % 32 == 0 && dv % 64 == 0;
+  using Q = typename QueryOf<T>::type;
   at::parallel_for(0, rows * split, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> q(task_heads * d), o(task_heads * dv), work(task_heads * (longest + dv));
+    std::vector<Q> q_wide(wide ? task_heads * d : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / split, h0 = task % split * task_heads, len = lp[r];
       T* dst = op + (r * heads + h0) * dv;
@@ -181,13 +195,26 @@ void decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
         std::fill(dst, dst + task_heads * dv, T(0.0f));
         continue;
       }
-      for (int64_t h = 0; h < task_heads; ++h) {
-        const T* src = qp + r * q_row + (h0 + h) * q_head;
-        for (int64_t i = 0; i < d; ++i) q[h * d + i] = static_cast<float>(src[i]) * static_cast<float>(scale);
-      }
       const int64_t kv0 = h0 / g;
-      attend_request(q.data(), task_heads, g, d, dv, kp + kv0 * ks.head, ks, vp + kv0 * vs.head, vs, tp + r * t_row,
-                     block_size, len, o.data(), work.data());
+      if (wide) {
+        for (int64_t h = 0; h < task_heads; ++h) {
+          const T* src = qp + r * q_row + (h0 + h) * q_head;
+          for (int64_t i = 0; i < d; ++i) {
+            q_wide[h * d + i] = std::is_same_v<Q, at::BFloat16> ? static_cast<Q>(src[i])
+                                                     : static_cast<Q>(static_cast<float>(src[i]) * static_cast<float>(scale));
+          }
+        }
+        auto run = d == 64 ? attend_request_512<64, T> : d == 128 ? attend_request_512<128, T> : attend_request_512<0, T>;
+        run(q_wide.data(), static_cast<float>(scale), task_heads, g, d, dv, kp + kv0 * ks.head, ks, vp + kv0 * vs.head,
+            vs, tp + r * t_row, block_size, len, o.data(), work.data());
+      } else {
+        for (int64_t h = 0; h < task_heads; ++h) {
+          const T* src = qp + r * q_row + (h0 + h) * q_head;
+          for (int64_t i = 0; i < d; ++i) q[h * d + i] = static_cast<float>(src[i]) * static_cast<float>(scale);
+        }
+        attend_request(q.data(), task_heads, g, d, dv, kp + kv0 * ks.head, ks, vp + kv0 * vs.head, vs,
+                       tp + r * t_row, block_size, len, o.data(), work.data());
+      }
       for (int64_t i = 0; i < task_heads * dv; ++i) dst[i] = static_cast<T>(o[i]);
     }
   });
@@ -218,22 +245,25 @@ void check_operands(const at::Tensor& query, const at::Tensor& k_cache, const at
 }
 
 void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t rows, at::Tensor& out) {
+            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t rows, int64_t isa,
+            at::Tensor& out) {
+  TORCH_CHECK(isa == 1 || isa == 2, "isa must be 1 (AVX2) or 2 (AVX-512 with AVX512-BF16), got ", isa);
   const auto dtype = query.scalar_type();
   if (dtype == at::kFloat) {
-    decode<float>(query, k_cache, v_cache, block_table, seq_lens, scale, rows, out);
+    decode<float>(query, k_cache, v_cache, block_table, seq_lens, scale, rows, isa, out);
   } else if (dtype == at::kBFloat16) {
-    decode<at::BFloat16>(query, k_cache, v_cache, block_table, seq_lens, scale, rows, out);
+    decode<at::BFloat16>(query, k_cache, v_cache, block_table, seq_lens, scale, rows, isa, out);
   } else {
-    decode<at::Half>(query, k_cache, v_cache, block_table, seq_lens, scale, rows, out);
+    decode<at::Half>(query, k_cache, v_cache, block_table, seq_lens, scale, rows, isa, out);
   }
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                                  int64_t isa) {
   check_operands(query, k_cache, v_cache, block_table, seq_lens, query.size(0));
   at::Tensor out = at::empty({query.size(0), query.size(1), v_cache.size(3)}, query.options());
-  attend(query, k_cache, v_cache, block_table, seq_lens, scale, query.size(0), out);
+  attend(query, k_cache, v_cache, block_table, seq_lens, scale, query.size(0), isa, out);
   return out;
 }
 
@@ -281,7 +311,7 @@ at::Tensor cache_view(const at::Tensor& raw, c10::IntArrayRef view, at::ScalarTy
 at::Tensor paged_decode_attention_with_kv(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                           at::Tensor kv_cache, c10::IntArrayRef k_view, c10::IntArrayRef v_view,
                                           const at::Tensor& slot_mapping, const at::Tensor& block_table,
-                                          const at::Tensor& seq_lens, double scale) {
+                                          const at::Tensor& seq_lens, double scale, int64_t isa) {
   TORCH_CHECK(kv_cache.scalar_type() == at::kByte && kv_cache.dim() == 1 && kv_cache.is_contiguous(),
               "kv_cache must be the contiguous uint8 allocation the layers' views are cut from");
   at::Tensor k_cache = cache_view(kv_cache, k_view, query.scalar_type(), "k_view");
@@ -301,7 +331,7 @@ at::Tensor paged_decode_attention_with_kv(const at::Tensor& query, const at::Ten
   write_tokens(key, k_cache, slots, tokens);
   write_tokens(value, v_cache, slots, tokens);
   at::Tensor out = at::empty({query.size(0), query.size(1), v_cache.size(3)}, query.options());
-  attend(query, k_cache, v_cache, block_table, seq_lens, scale, rows, out);
+  attend(query, k_cache, v_cache, block_table, seq_lens, scale, rows, isa, out);
   if (rows < query.size(0)) out.narrow(0, rows, query.size(0) - rows).zero_();
   return out;
 }
@@ -312,9 +342,9 @@ at::Tensor paged_decode_attention_with_kv(const at::Tensor& query, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(mrv2, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-        "float scale) -> Tensor");
+        "float scale, int isa=1) -> Tensor");
   m.def("paged_decode_attention_with_kv(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
-        "int[] k_view, int[] v_view, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, float scale) -> Tensor");
+        "int[] k_view, int[] v_view, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, float scale, int isa=1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mrv2, CPU, m) {
