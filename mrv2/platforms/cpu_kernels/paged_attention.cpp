@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #pragma GCC push_options
@@ -157,6 +158,19 @@ void attend_request(const float* q, int64_t heads, int64_t g, int64_t d, int64_t
 #include "paged_attention_avx512.inc"
 #pragma GCC pop_options
 
+// `heads` query heads (`q_head` apart from `src`) into `dst` [heads, d]: bf16 as they are (the
+// AVX-512 kernel's vdpbf16ps takes them so, and scales the sums), fp32 times the scale.
+template <typename Q, typename T>
+void load_query(const T* src, int64_t q_head, int64_t heads, int64_t d, double scale, Q* dst) {
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t i = 0; i < d; ++i) {
+      const T x = src[h * q_head + i];
+      dst[h * d + i] = std::is_same_v<Q, float> ? static_cast<Q>(static_cast<float>(x) * static_cast<float>(scale))
+                                                : static_cast<Q>(x);
+    }
+  }
+}
+
 template <typename T>
 void decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t rows, int64_t isa,
@@ -196,22 +210,14 @@ void decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
         continue;
       }
       const int64_t kv0 = h0 / g;
+      const T* query_heads = qp + r * q_row + h0 * q_head;
       if (wide) {
-        for (int64_t h = 0; h < task_heads; ++h) {
-          const T* src = qp + r * q_row + (h0 + h) * q_head;
-          for (int64_t i = 0; i < d; ++i) {
-            q_wide[h * d + i] = std::is_same_v<Q, at::BFloat16> ? static_cast<Q>(src[i])
-                                                     : static_cast<Q>(static_cast<float>(src[i]) * static_cast<float>(scale));
-          }
-        }
+        load_query(query_heads, q_head, task_heads, d, scale, q_wide.data());
         auto run = d == 64 ? attend_request_512<64, T> : d == 128 ? attend_request_512<128, T> : attend_request_512<0, T>;
         run(q_wide.data(), static_cast<float>(scale), task_heads, g, d, dv, kp + kv0 * ks.head, ks, vp + kv0 * vs.head,
             vs, tp + r * t_row, block_size, len, o.data(), work.data());
       } else {
-        for (int64_t h = 0; h < task_heads; ++h) {
-          const T* src = qp + r * q_row + (h0 + h) * q_head;
-          for (int64_t i = 0; i < d; ++i) q[h * d + i] = static_cast<float>(src[i]) * static_cast<float>(scale);
-        }
+        load_query(query_heads, q_head, task_heads, d, scale, q.data());
         attend_request(q.data(), task_heads, g, d, dv, kp + kv0 * ks.head, ks, vp + kv0 * vs.head, vs,
                        tp + r * t_row, block_size, len, o.data(), work.data());
       }
