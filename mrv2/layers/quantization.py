@@ -179,10 +179,11 @@ class AmxTiles:
 
         return cls(tiled.contiguous(), per_tile(weight.scales), None if mins is None else per_tile(mins))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W^T for bf16 x: bf16 (rounded once), or float32 sums as they are where `out_dtype` says so."""
         if self.mins is None:
-            return torch.ops.mrv2_gguf.q8_gemm_amx(x, self.codes, self.scales)
-        return torch.ops.mrv2_gguf.q4_gemm_amx(x, self.codes, self.scales, self.mins)
+            return torch.ops.mrv2_gguf.q8_gemm_amx(x, self.codes, self.scales, out_dtype)
+        return torch.ops.mrv2_gguf.q4_gemm_amx(x, self.codes, self.scales, self.mins, out_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -218,12 +219,11 @@ class BlockGemv:
         self.amx = AmxTiles.of(weight, mins) if amx and AmxTiles.supports(weight) else None
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x @ W^T, in `out_dtype` where given (x's dtype or float32; else x's dtype): the GEMV writes
-        float32 itself, unrounded."""
+        """x @ W^T, in `out_dtype` where given (x's dtype or float32; else x's dtype): the kernels write
+        float32 themselves, unrounded."""
         x2 = x.reshape(-1, self.in_features).contiguous()
         if self.amx is not None and x2.shape[0] > self.gemv_rows and x2.dtype == torch.bfloat16:
-            y = self.amx(x2)
-            y = y if out_dtype is None else y.to(out_dtype)
+            y = self.amx(x2, out_dtype)
         elif self.mins is None:
             y = torch.ops.mrv2_gguf.q8_gemv(x2, self.codes, self.scales, self.isa, out_dtype)
         else:

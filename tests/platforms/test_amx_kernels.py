@@ -41,6 +41,20 @@ def test_amx_gemm_equals_the_dense_bf16_weights_product(qtype, rows):
     _within_an_ulp(gemm(x), _dense_product(x, weight))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_float32_out_is_the_sums_the_bf16_out_rounds(qtype):
+    # The LM head asks for float32 logits: the sums as they are, not rounded to bf16 and widened.
+    weight, _ = quantized(qtype, 48, 96, seed=3)
+    gemm = BlockGemv(weight, PLATFORM.gemv_isa(), amx=True, gemv_rows=4)
+    x = torch.randn(40, 96, dtype=torch.bfloat16)
+    sums = gemm(x, torch.float32)
+    assert sums.dtype == torch.float32 and torch.equal(sums.bfloat16(), gemm(x))
+    exact = x.double() @ weight.dequantize(torch.bfloat16).double().t()
+    assert (sums.double() - exact).abs().max() <= exact.abs().max() * 2 ** -20
+    with pytest.raises(RuntimeError, match="out_dtype must be bfloat16 or float32"):
+        gemm.amx(x, torch.float16)
+
+
 def test_the_default_models_layer_shapes():
     for n, k in ((960, 576), (576, 1536)):
         weight, _ = quantized("Q4_1", n, k, seed=n)

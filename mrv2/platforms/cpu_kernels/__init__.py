@@ -55,12 +55,12 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], codes.shape[0], dtype=out_dtype or x.dtype)
 
     @torch.library.register_fake("mrv2_gguf::q4_gemm_amx")
-    def _q4_amx(x, codes, scales, mins):
-        return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2])
+    def _q4_amx(x, codes, scales, mins, out_dtype=None):
+        return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2], dtype=out_dtype or x.dtype)
 
     @torch.library.register_fake("mrv2_gguf::q8_gemm_amx")
-    def _q8_amx(x, codes, scales):
-        return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2])
+    def _q8_amx(x, codes, scales, out_dtype=None):
+        return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2], dtype=out_dtype or x.dtype)
 
     @torch.library.register_fake("mrv2::paged_decode_attention")
     def _attention(query, k_cache, v_cache, block_table, seq_lens, scale, isa=1):

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 namespace {
 
@@ -118,21 +119,25 @@ inline void dequantize_tile(const uint8_t* codes, const uint16_t* d16, const uin
   }
 }
 
-// A 16 x 16 fp32 tile of sums to rows [m, m + rows) of `out` (bf16 [., N]) at column n.
+// A 16 x 16 fp32 tile of sums to rows [m, m + rows) of `out` ([., N], bf16 rounded or fp32 as summed)
+// at column n.
 inline void store_sums(const float* sums, int64_t rows, at::BFloat16* out, int64_t N, int64_t m, int64_t n) {
   for (int64_t i = 0; i < rows; ++i) {
     const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(sums + 16 * i));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + i) * N + n), reinterpret_cast<__m256i>(v));
   }
 }
+inline void store_sums(const float* sums, int64_t rows, float* out, int64_t N, int64_t m, int64_t n) {
+  for (int64_t i = 0; i < rows; ++i) _mm512_storeu_ps(out + (m + i) * N + n, _mm512_loadu_ps(sums + 16 * i));
+}
 
 // out[:, column tiles [t0, t1)] for x [M, K] (M a multiple of 16; the first `rows` are real). Two
 // column tiles at a time, all K of them dequantized into one half of `scratch` while the tile unit
 // multiplies the previous pair's (in the other half) by two row tiles of x at a time: the vector
 // units dequantize between the tile multiplications, which run on a unit of their own.
-template <bool kQ4>
+template <bool kQ4, typename Out>
 void gemm_columns(const at::BFloat16* x, int64_t M, int64_t rows, int64_t K, const uint8_t* codes,
-                  const uint16_t* d16, const uint16_t* m16, at::BFloat16* out, int64_t N, int64_t t0, int64_t t1,
+                  const uint16_t* d16, const uint16_t* m16, Out* out, int64_t N, int64_t t0, int64_t t1,
                   uint16_t* scratch) {
   constexpr int64_t kTileBytes = kQ4 ? kTileElems / 2 : kTileElems;
   const int64_t kt = K / kTileK, x_stride = K * static_cast<int64_t>(sizeof(at::BFloat16));
@@ -215,7 +220,7 @@ void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale
               "scales must be contiguous fp16 [out_features / 16, ", K / kTileK, ", 16], got ", scales.sizes());
 }
 
-template <bool kQ4>
+template <bool kQ4, typename Out>
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const uint16_t* mins) {
   const int64_t rows = x_in.size(0), K = x_in.size(1), tiles = codes.size(0), N = tiles * kTileN;
   const int64_t M = (rows + kTileM - 1) / kTileM * kTileM;
@@ -224,32 +229,42 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tenso
     x = at::zeros({M, K}, x_in.options());
     x.narrow(0, 0, rows).copy_(x_in);
   }
-  at::Tensor out = at::empty({rows, N}, x_in.options());
+  at::Tensor out = at::empty({rows, N}, x_in.options().dtype(c10::CppTypeToScalarType<Out>::value));
   if (rows == 0) return out;
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
   const auto* d16 = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  auto* o = out.data_ptr<at::BFloat16>();
+  auto* o = out.data_ptr<Out>();
   // Pairs of column tiles are the unit of work: each dequantizes its weights once.
   at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     // Two halves of a column pair's tiles, written before they are read.
     std::unique_ptr<uint16_t[]> scratch(new uint16_t[4 * (K / kTileK) * kTileElems]);
-    gemm_columns<kQ4>(xp, M, rows, K, c, d16, mins, o, N, 2 * p0, std::min(2 * p1, tiles), scratch.get());
+    gemm_columns<kQ4, Out>(xp, M, rows, K, c, d16, mins, o, N, 2 * p0, std::min(2 * p1, tiles), scratch.get());
   });
   return out;
 }
 
-at::Tensor q4_gemm_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                       const at::Tensor& mins) {
+// The sums in `out_dtype`: bf16 (x's, rounded once, as a dense bf16 product is) or fp32 as summed.
+bool fp32_out(std::optional<at::ScalarType> out_dtype) {
+  const auto out = out_dtype.value_or(at::kBFloat16);
+  TORCH_CHECK(out == at::kBFloat16 || out == at::kFloat, "out_dtype must be bfloat16 or float32, got ", out);
+  return out == at::kFloat;
+}
+
+at::Tensor q4_gemm_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                       std::optional<at::ScalarType> out_dtype) {
   check(x, codes, scales, kTileElems / 2, at::kByte);
   TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous(),
               "mins must be shaped and typed like scales");
-  return gemm<true>(x, codes, scales, reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()));
+  const auto* m16 = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  return fp32_out(out_dtype) ? gemm<true, float>(x, codes, scales, m16) : gemm<true, at::BFloat16>(x, codes, scales, m16);
 }
 
-at::Tensor q8_gemm_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+at::Tensor q8_gemm_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       std::optional<at::ScalarType> out_dtype) {
   check(x, codes, scales, kTileElems, at::kChar);
-  return gemm<false>(x, codes, scales, nullptr);
+  return fp32_out(out_dtype) ? gemm<false, float>(x, codes, scales, nullptr)
+                             : gemm<false, at::BFloat16>(x, codes, scales, nullptr);
 }
 
 bool amx_ready() { return request_amx(); }
@@ -257,8 +272,8 @@ bool amx_ready() { return request_amx(); }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mrv2_gguf, m) {
-  m.def("q4_gemm_amx(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor");
-  m.def("q8_gemm_amx(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("q4_gemm_amx(Tensor x, Tensor codes, Tensor scales, Tensor mins, ScalarType? out_dtype=None) -> Tensor");
+  m.def("q8_gemm_amx(Tensor x, Tensor codes, Tensor scales, ScalarType? out_dtype=None) -> Tensor");
   m.def("amx_ready() -> bool", &amx_ready);
 }
 
