@@ -207,7 +207,8 @@ void decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   const bool wide = isa == 2 && d % 32 == 0 && dv % 64 == 0;
   using Q = typename QueryOf<T>::type;
   at::parallel_for(0, rows * split, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(task_heads * d), o(task_heads * dv), work(task_heads * (longest + dv));
+    // The query heads as the kernel that runs takes them (QueryOf<T> for the AVX-512 one, fp32 else).
+    std::vector<float> q(wide ? 0 : task_heads * d), o(task_heads * dv), work(task_heads * (longest + dv));
     std::vector<Q> q_wide(wide ? task_heads * d : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / split, h0 = task % split * task_heads, len = lp[r];
