@@ -150,8 +150,9 @@ class AmxTiles:
     """A Q4 or Q8_0 weight laid out for the AMX block GEMM (`cpu_kernels/gguf_amx.cpp`): per tile of 16
     output columns by 32 input features, 16 rows of bf16 pairs (features 2r, 2r + 1 of each column).
 
-    `codes`: Q4 [N / 16, K / 32, 16, 16] bytes (feature 2r in the low nibble, 2r + 1 in the high one),
-    Q8_0 [N / 16, K / 32, 16, 32] int8 (column-major pairs); `scales` (and `mins`) fp16 [N / 16, K / 32, 16].
+    A tile row's lane 2n + p is feature 2r + p of column n. `codes`: Q4 [N / 16, K / 32, 16, 16] bytes (byte j:
+    lane j in the low nibble, lane j + 16 in the high one), Q8_0 [N / 16, K / 32, 16, 32] int8, lane by lane;
+    `scales` (and `mins`) fp16 [N / 16, K / 32, 16].
     """
 
     codes: torch.Tensor
@@ -168,11 +169,12 @@ class AmxTiles:
         """Tiles of `weight` (codes [N, K], q in 0..15 or int8) with its per-block `mins` (None for Q8_0)."""
         n, k = weight.shape
         pairs = weight.codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [tile n, tile k, r, n, pair]
+        lanes = pairs.reshape(n // 16, k // 32, 16, 32)  # a tile row: lane 2n + p is feature 2r + p of column n
         if mins is None:
-            tiled = pairs.to(torch.int8).reshape(n // 16, k // 32, 16, 32)
+            tiled = lanes.to(torch.int8)
         else:
-            q = pairs.to(torch.uint8)
-            tiled = q[..., 0] | (q[..., 1] << 4)
+            q = lanes.to(torch.uint8)
+            tiled = q[..., :16] | (q[..., 16:] << 4)
 
         def per_tile(t: torch.Tensor) -> torch.Tensor:
             return t.to(torch.float16).view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()

@@ -9,8 +9,8 @@
 // Weights are laid out for the tiles at load (`mrv2.layers.quantization.AmxTiles`): for each tile
 // of 16 output columns n and 32 input features k, 16 rows r holding the pairs (k = 2r, 2r + 1) of
 // every column, as AMX's bf16 B operand takes them:
-// - q4: [N / 16, K / 32, 16 r, 16 n] bytes, q(n, 2r) in the low nibble and q(n, 2r + 1) in the high
-//   one; weight = d * q + m;
+// - q4: [N / 16, K / 32, 16 r, 16 j] bytes, byte j holding the codes of lanes j (low nibble) and
+//   j + 16 (high) of the tile row, whose lane 2n + p is q(n, 2r + p); weight = d * q + m;
 // - q8: [N / 16, K / 32, 16 r, 16 n, 2] int8 codes q(n, 2r), q(n, 2r + 1); weight = d * q;
 // with fp16 scales d (and mins m) [N / 16, K / 32, 16 n].
 
@@ -23,8 +23,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <memory>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -101,19 +101,17 @@ inline void dequantize_tile(const uint8_t* codes, const uint16_t* d16, const uin
   for (int64_t r = 0; r < 16; ++r) {
     __m512 w_lo, w_hi;
     if constexpr (kQ4) {
-      // Byte n holds q(n, 2r) | q(n, 2r + 1) << 4; widened to 16 bits and split, the bytes come out
-      // as q(0, 2r), q(0, 2r + 1), q(1, 2r), ...: the tile row's order.
-      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * r)));
-      const __m256i q = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi16(0x000F)),
-                                        _mm256_and_si256(_mm256_slli_epi16(b, 4), _mm256_set1_epi16(0x0F00)));
-      w_lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
-      w_hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
+      // Byte j holds lane j's code in its low nibble and lane j + 16's in its high one: widened to
+      // 32 bits, a mask and a shift give both halves of the row, no shuffles across lanes.
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * r)));
+      w_lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
+      w_hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
       w_lo = _mm512_fmadd_ps(w_lo, d_lo, m_lo);
       w_hi = _mm512_fmadd_ps(w_hi, d_hi, m_hi);
     } else {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * r));
-      w_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), d_lo);
-      w_hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), d_hi);
+      const auto* q = reinterpret_cast<const __m128i*>(codes + 32 * r);
+      w_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d_lo);
+      w_hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d_hi);
     }
     store_row(dst + 32 * r, w_lo, w_hi);
   }
@@ -160,7 +158,7 @@ void gemm_columns(const at::BFloat16* x, int64_t M, int64_t rows, int64_t K, con
     const uint16_t* b1 = b0 + kt * kTileElems;
     uint16_t* next = scratch + (1 - pass % 2) * half;
     const int64_t todo = tiles_of(t + 2);
-    int64_t done = 0, step = 0;
+    int64_t done = 0, owed = 0;  // the next pair's tiles dequantized; those owed, in 1 / steps of a tile
     for (int64_t m = 0; m < M; m += 2 * kTileM) {
       const bool two_rows = m + kTileM < M;
       const at::BFloat16* a0 = x + m * K;
@@ -182,7 +180,7 @@ void gemm_columns(const at::BFloat16* x, int64_t M, int64_t rows, int64_t K, con
           _tile_dpbf16ps(1, 4, 7);
           if (two_rows) _tile_dpbf16ps(3, 5, 7);
         }
-        for (const int64_t until = ++step * todo / steps; done < until; ++done) dequantize(t + 2, done, next);
+        for (owed += todo; owed >= steps; owed -= steps) dequantize(t + 2, done++, next);
       }
       _tile_stored(0, sums[0], 64);
       _tile_stored(1, sums[1], 64);
@@ -237,9 +235,11 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tenso
   auto* o = out.data_ptr<Out>();
   // Pairs of column tiles are the unit of work: each dequantizes its weights once.
   at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    // Two halves of a column pair's tiles, written before they are read.
-    std::unique_ptr<uint16_t[]> scratch(new uint16_t[4 * (K / kTileK) * kTileElems]);
-    gemm_columns<kQ4, Out>(xp, M, rows, K, c, d16, mins, o, N, 2 * p0, std::min(2 * p1, tiles), scratch.get());
+    // Two halves of a column pair's tiles, written before they are read; kept from call to call (a
+    // fresh buffer of a few hundred KB is mapped and faulted in on every call).
+    thread_local std::vector<uint16_t> scratch;
+    scratch.resize(std::max<size_t>(scratch.size(), 4 * (K / kTileK) * kTileElems));
+    gemm_columns<kQ4, Out>(xp, M, rows, K, c, d16, mins, o, N, 2 * p0, std::min(2 * p1, tiles), scratch.data());
   });
   return out;
 }
