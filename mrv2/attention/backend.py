@@ -73,6 +73,10 @@ class AttentionBackend(ABC):
         """An instance set up for `platform` (e.g. the instruction set its kernels run there)."""
         return cls()
 
+    def describe(self) -> str:
+        """What runs, for the start-up log: the name, and where it picks among kernels, which."""
+        return self.name
+
     @classmethod
     def is_available(cls) -> bool:
         """Whether the backend can run here (e.g. its kernels import); the registry skips it if not."""

@@ -65,6 +65,10 @@ class CppPagedAttention(TorchPagedAttention):
     def is_available(cls) -> bool:
         return kernel_loaded()
 
+    def describe(self) -> str:
+        kernel = {1: "AVX2", 2: "AVX-512 with AVX512-BF16"}.get(self.isa, f"isa {self.isa}")
+        return f"{self.name} (decode kernel: {kernel})"
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache | None,
                 metadata: TorchPagedMetadata | None, scale: float) -> torch.Tensor:
         if metadata is None or metadata.prefills or metadata.decode is None:

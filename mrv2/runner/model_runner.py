@@ -73,6 +73,7 @@ class ModelRunner:
         batch_invariant = config.model.batch_invariant
         self.attn_backend = get_attention_backend(platform, attention_kind(hf_config), batch_invariant,
                                                   config.model.attention_backend)
+        logger.info("Attention: %s", self.attn_backend.describe())
         with torch.device(self.device):
             self.model = build_model(hf_config, self.attn_backend, dtype, self.max_model_len, tp)
         self.model.load_weights(weights)

@@ -167,14 +167,15 @@ AVX2 = {"avx2", "fma", "f16c"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 
 
-@pytest.mark.parametrize("flags, isa", [
-    (AVX2, 1),  # an AVX2-only Zen 3
-    (AVX512, 1),  # AVX-512 without bf16 dot products (Ice Lake): the AVX2 kernel
-    (AVX512 | {"avx512_bf16", "amx_bf16"}, 2),  # Sapphire Rapids
-    (AVX512 | {"avx512_bf16"}, 2),  # Zen 4
+@pytest.mark.parametrize("flags, isa, kernel", [
+    (AVX2, 1, "AVX2"),  # an AVX2-only Zen 3
+    (AVX512, 1, "AVX2"),  # AVX-512 without bf16 dot products (Ice Lake): the AVX2 kernel
+    (AVX512 | {"avx512_bf16", "amx_bf16"}, 2, "AVX-512 with AVX512-BF16"),  # Sapphire Rapids
+    (AVX512 | {"avx512_bf16"}, 2, "AVX-512 with AVX512-BF16"),  # Zen 4
 ])
-def test_the_backend_runs_the_kernel_the_cpus_flags_allow(flags, isa):
+def test_the_backend_runs_the_kernel_the_cpus_flags_allow(flags, isa, kernel):
     platform = CpuPlatform(flags=frozenset(flags))
     assert platform.attention_isa() == isa
     backend = get_attention_backend(platform, "gqa")
     assert isinstance(backend, CppPagedAttention) and backend.isa == isa
+    assert backend.describe() == f"cpp-paged (decode kernel: {kernel})"  # what the runner logs

@@ -1,6 +1,8 @@
-"""ModelRunner memory planning: the largest step's attention transients and the graph pool are reserved."""
+"""ModelRunner memory planning (the largest step's attention transients and the graph pool are reserved); the start-up log."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 
@@ -86,3 +88,10 @@ def test_graph_pool_is_estimated_from_the_largest_capture_and_every_output(tiny_
                + runner.attention_transient_bytes(d.num_reqs, d.num_tokens, d.max_seq_len) for d in descs)
     expected = peak + sum(2 * d.num_tokens * hidden for d in descs)
     assert runner.graph_pool_bytes() == expected > 0
+
+
+def test_the_start_up_log_names_the_attention_backend_and_its_kernel(tiny_checkpoint, caplog):
+    with caplog.at_level(logging.INFO, logger="mrv2"):
+        runner = _runner(tiny_checkpoint)
+    assert f"Attention: {runner.attn_backend.describe()}" in caplog.text
+    assert runner.attn_backend.name in runner.attn_backend.describe()
