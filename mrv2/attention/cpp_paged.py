@@ -30,6 +30,7 @@ from mrv2.attention.registry import register_backend
 from mrv2.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
 from mrv2.kv_spec import LayerKVCache
 from mrv2.platforms import Platform
+from mrv2.platforms.cpu import ATTENTION_ISAS
 
 
 def kernel_loaded() -> bool:
@@ -66,8 +67,7 @@ class CppPagedAttention(TorchPagedAttention):
         return kernel_loaded()
 
     def describe(self) -> str:
-        kernel = {1: "AVX2", 2: "AVX-512 with AVX512-BF16"}.get(self.isa, f"isa {self.isa}")
-        return f"{self.name} (decode kernel: {kernel})"
+        return f"{self.name} (decode kernel: {ATTENTION_ISAS.get(self.isa, f'isa {self.isa}')})"
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache | None,
                 metadata: TorchPagedMetadata | None, scale: float) -> torch.Tensor:

@@ -34,6 +34,7 @@ def _cpuinfo() -> dict[str, str]:
 
 
 GEMV_ISAS = {1: "AVX2", 2: "AVX512-VNNI"}  # CpuPlatform.gemv_isa's numbering, as the kernels take it
+ATTENTION_ISAS = {1: "AVX2", 2: "AVX-512 with AVX512-BF16"}  # CpuPlatform.attention_isa's numbering
 
 
 def _meminfo(key: str) -> int:
