@@ -68,14 +68,15 @@ class QuantPolicy:
     quantized weights may take, for larger batches, where dense GEMMs are faster; the
     copy is kept only if all of it fits (0: never). `gemv_isa`: the instruction set of the
     platform's own block GEMV for those batches (the platform's numbering; 0: torch's int4 kernel).
-    `amx`: larger batches run on the platform's AMX block GEMM over the same quantized weights
-    (no dense copy then).
+    `gemm_isa`: batches of more than `int4_max_rows` rows run on the platform's block GEMM over
+    the same quantized weights, in the platform's numbering of its instruction sets (0: none;
+    no dense copy otherwise).
     """
 
     int4_max_rows: int = 0
     dense_budget: int = 0
     gemv_isa: int = 0
-    amx: bool = False
+    gemm_isa: int = 0
 
     @property
     def uses_int4(self) -> bool:

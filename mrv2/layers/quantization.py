@@ -21,9 +21,9 @@ GGUF dequantization up to that dtype's rounding of the scales.
 the platform's own block kernels (`torch.ops.mrv2_gguf`, loaded by the platform), which keep
 GGUF's blocks and fp16 scales as they are (one pass over the weights for Q8_0) and sum
 integer products with the activations quantized to int16 per block (a finer step than bf16).
-Where the policy says `amx`, batches of more rows run on the AMX block GEMM over a second
-layout of the same codes (`AmxTiles`): each tile dequantized to bf16 in cache, as a dense bf16
-copy holds it, then multiplied in fp32.
+Where the policy names a `gemm_isa`, batches of more rows run on the block GEMM over a second
+layout of the same codes (`GemmTiles`): each tile dequantized to bf16 in cache, as a dense bf16
+copy holds it, then multiplied with fp32 sums (on AMX, or with AVX512-BF16 dot products).
 `quantized_matmul` picks one of the two for a weight and a `QuantPolicy`.
 """
 
@@ -146,9 +146,10 @@ class Int4Matmul:
 
 
 @dataclass(frozen=True)
-class AmxTiles:
-    """A Q4 or Q8_0 weight laid out for the AMX block GEMM (`cpu_kernels/gguf_amx.cpp`): per tile of 16
-    output columns by 32 input features, 16 rows of bf16 pairs (features 2r, 2r + 1 of each column).
+class GemmTiles:
+    """A Q4 or Q8_0 weight laid out for the block GEMM (`cpu_kernels/gguf_gemm.cpp`): per tile of 16
+    output columns by 32 input features, 16 rows of bf16 pairs (features 2r, 2r + 1 of each column),
+    multiplied on AMX where `amx`, else with AVX512-BF16 dot products.
 
     A tile row's lane 2n + p is feature 2r + p of column n. `codes`: Q4 [N / 16, K / 32, 16, 16] bytes (byte j:
     lane j in the low nibble, lane j + 16 in the high one), Q8_0 [N / 16, K / 32, 16, 32] int8, lane by lane;
@@ -158,6 +159,7 @@ class AmxTiles:
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
+    amx: bool
 
     @staticmethod
     def supports(weight: QuantizedWeight) -> bool:
@@ -165,7 +167,7 @@ class AmxTiles:
         return n % 16 == 0 and k % GGUF_BLOCK == 0
 
     @classmethod
-    def of(cls, weight: QuantizedWeight, mins: torch.Tensor | None) -> AmxTiles:
+    def of(cls, weight: QuantizedWeight, mins: torch.Tensor | None, amx: bool) -> GemmTiles:
         """Tiles of `weight` (codes [N, K], q in 0..15 or int8) with its per-block `mins` (None for Q8_0)."""
         n, k = weight.shape
         pairs = weight.codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [tile n, tile k, r, n, pair]
@@ -179,13 +181,15 @@ class AmxTiles:
         def per_tile(t: torch.Tensor) -> torch.Tensor:
             return t.to(torch.float16).view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
 
-        return cls(tiled.contiguous(), per_tile(weight.scales), None if mins is None else per_tile(mins))
+        return cls(tiled.contiguous(), per_tile(weight.scales), None if mins is None else per_tile(mins), amx)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W^T for bf16 x: bf16 (rounded once), or float32 sums as they are where `out_dtype` says so."""
         if self.mins is None:
-            return torch.ops.mrv2_gguf.q8_gemm_amx(x, self.codes, self.scales, out_dtype)
-        return torch.ops.mrv2_gguf.q4_gemm_amx(x, self.codes, self.scales, self.mins, out_dtype)
+            q8 = torch.ops.mrv2_gguf.q8_gemm_amx if self.amx else torch.ops.mrv2_gguf.q8_gemm_bf16
+            return q8(x, self.codes, self.scales, out_dtype)
+        q4 = torch.ops.mrv2_gguf.q4_gemm_amx if self.amx else torch.ops.mrv2_gguf.q4_gemm_bf16
+        return q4(x, self.codes, self.scales, self.mins, out_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -194,14 +198,15 @@ class AmxTiles:
 
 class BlockGemv:
     """x @ W^T for a `QuantizedWeight` on the platform's block GEMV (`gemv_isa` names its instruction set);
-    batches of more than `gemv_rows` rows on its AMX block GEMM where `amx` (bf16 activations).
+    batches of more than `gemv_rows` rows of bf16 on its block GEMM where `gemm_isa` (the platform's
+    numbering: 2 AMX, 1 AVX512-BF16 dot products; 0 none).
 
     Codes keep GGUF's layout (Q4: two a byte, weight j and j + 16 of a block in one byte);
     scales and mins are fp16, as GGUF stores them (Q4_0 as Q4_1 with min -8d, exact in fp16), flat:
     row after row, then `SCALE_TAIL` zeros (the kernel's last 8-wide load of a row reads past it).
     """
 
-    def __init__(self, weight: QuantizedWeight, isa: int, amx: bool = False, gemv_rows: int = 0) -> None:
+    def __init__(self, weight: QuantizedWeight, isa: int, gemm_isa: int = 0, gemv_rows: int = 0) -> None:
         if not block_gemv_supports(weight):
             raise ValueError(f"{weight.qtype} weight of shape {tuple(weight.shape)} is not one the block GEMV takes")
         self.isa = isa
@@ -218,14 +223,14 @@ class BlockGemv:
             mins = -8 * weight.scales.float() if weight.qtype == "Q4_0" else weight.mins
             self.mins = _flat_halves(mins)
         self.gemv_rows = gemv_rows
-        self.amx = AmxTiles.of(weight, mins) if amx and AmxTiles.supports(weight) else None
+        self.tiles = GemmTiles.of(weight, mins, gemm_isa == 2) if gemm_isa and GemmTiles.supports(weight) else None
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W^T, in `out_dtype` where given (x's dtype or float32; else x's dtype): the kernels write
         float32 themselves, unrounded."""
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if self.amx is not None and x2.shape[0] > self.gemv_rows and x2.dtype == torch.bfloat16:
-            y = self.amx(x2, out_dtype)
+        if self.tiles is not None and x2.shape[0] > self.gemv_rows and x2.dtype == torch.bfloat16:
+            y = self.tiles(x2, out_dtype)
         elif self.mins is None:
             y = torch.ops.mrv2_gguf.q8_gemv(x2, self.codes, self.scales, self.isa, out_dtype)
         else:
@@ -235,11 +240,11 @@ class BlockGemv:
     @property
     def nbytes(self) -> int:
         tensors = (self.codes, self.scales, self.mins)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + (self.amx.nbytes if self.amx else 0)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + (self.tiles.nbytes if self.tiles else 0)
 
 
 def place_in_one_buffer(gemvs: list[BlockGemv], allocate: Callable[[int], torch.Tensor]) -> int:
-    """Move the GEMV weights of `gemvs` (codes, scales, mins; not the AMX tiles, which only larger batches
+    """Move the GEMV weights of `gemvs` (codes, scales, mins; not the GEMM tiles, which only larger batches
     read) into one uint8 buffer from `allocate`, in list order, each at a 64-byte boundary: a batch-1 step
     then reads one stretch of memory front to back. Returns the buffer's bytes."""
     held = [(g, name) for g in gemvs for name in ("codes", "scales", "mins") if getattr(g, name) is not None]
@@ -287,7 +292,8 @@ def quantized_matmul(weight: QuantizedWeight, dtype: torch.dtype, policy: QuantP
     if not policy.uses_int4:
         return None
     if policy.gemv_isa and block_gemv_supports(weight):
-        return BlockGemv(weight, policy.gemv_isa, policy.amx and dtype == torch.bfloat16, policy.int4_max_rows)
+        gemm_isa = policy.gemm_isa if dtype == torch.bfloat16 else 0
+        return BlockGemv(weight, policy.gemv_isa, gemm_isa, policy.int4_max_rows)
     if int4_kernel_supports(*weight.shape):
         return Int4Matmul(weight, dtype)
     return None

@@ -313,8 +313,8 @@ class CausalLM(nn.Module):
             place_in_one_buffer(gemvs, allocate)
         int4 = sum(m.int4.nbytes for m in linears if m.int4 is not None)
         int4 += self.lm_head_int4.nbytes if self.lm_head_int4 is not None else 0
-        if policy.amx:
-            return f"quantized kernels ({int4 / 2**20:.0f} MiB, GEMV and AMX tile layouts) for every batch"
+        if policy.gemm_isa:
+            return f"quantized kernels ({int4 / 2**20:.0f} MiB, GEMV and GEMM tile layouts) for every batch"
         return (f"quantized kernels ({int4 / 2**20:.0f} MiB) for batches of up to {policy.int4_max_rows} rows; "
                 + (f"a dense copy ({dense / 2**20:.0f} MiB) for larger ones" if keep_dense else
                    f"no dense copy ({dense / 2**20:.0f} MiB would exceed the budget of "

@@ -35,6 +35,7 @@ def _cpuinfo() -> dict[str, str]:
 
 GEMV_ISAS = {1: "AVX2", 2: "AVX512-VNNI"}  # CpuPlatform.gemv_isa's numbering, as the kernels take it
 ATTENTION_ISAS = {1: "AVX2", 2: "AVX-512 with AVX512-BF16"}  # CpuPlatform.attention_isa's numbering
+GEMM_ISAS = {1: "AVX512-BF16", 2: "AMX"}  # CpuPlatform.gemm_isa's numbering
 
 
 def _meminfo(key: str) -> int:
@@ -133,10 +134,14 @@ class CpuPlatform(Platform):
                  "and above (quantization='gguf': no dense copy)")
         isa = self.gemv_isa()
         failed = load_cpu_kernels() if isa else "the CPU lacks AVX2, FMA or F16C"
-        if failed is None and dtype == torch.bfloat16 and self.has_amx() and torch.ops.mrv2_gguf.amx_ready():
-            return QuantPolicy(self.int4_max_rows_amx, 0, isa, amx=True), (
-                f"mrv2's GGUF block GEMV ({GEMV_ISAS[isa]}) for single rows, its AMX block GEMM for more "
-                "(weights dequantized a tile at a time in cache: no dense copy)")
+        gemm = self.gemm_isa() if failed is None and dtype == torch.bfloat16 else 0
+        if gemm == 2 and not torch.ops.mrv2_gguf.amx_ready():
+            gemm = 1  # the kernel gives the process no AMX tile data: AVX512-BF16 is there all the same
+        if gemm:
+            rows = self.int4_max_rows_amx if gemm == 2 else self.int4_max_rows_bf16_gemm
+            return QuantPolicy(rows, 0, isa, gemm_isa=gemm), (
+                f"mrv2's GGUF block GEMV ({GEMV_ISAS[isa]}) for up to {rows} rows, its block GEMM "
+                f"({GEMM_ISAS[gemm]}) for more (weights dequantized a tile at a time in cache: no dense copy)")
         if failed is None:
             return QuantPolicy(rows, budget, isa), (
                 f"mrv2's GGUF block GEMV ({GEMV_ISAS[isa]}) for up to {rows} rows (faster than dense GEMMs there), "
@@ -169,17 +174,30 @@ class CpuPlatform(Platform):
             return 0
         return 2 if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= self.flags else 1
 
-    # mrv2's AMX block GEMM (`cpu_kernels/gguf_amx.cpp`) against dense bf16 GEMMs on weights prepacked
+    # mrv2's block GEMM (`cpu_kernels/gguf_gemm.cpp`) on AMX against dense bf16 GEMMs on weights prepacked
     # for oneDNN (2 vCPU Sapphire Rapids, the default model's 30 layers of linears, weights from memory):
     # 7.6 / 6.9 / 8.0 / 10.9 / 17.2 ms against 15.4 / 14.0 / 16.6 / 19.0 / 24.6 at 5 / 16 / 32 / 64 / 128
     # rows: Q4 weights stream a quarter of the bytes, and each tile is dequantized once per call. Its cost
     # hardly grows below 16 rows (7.4-7.7 ms at 1-8), where the block GEMV's does: 5.3 ms at 1 row, 11.8
     # at 2, 12.3 at 4. So the GEMV serves single rows only.
     int4_max_rows_amx = 1
+    # The same GEMM with AVX512-BF16 dot products (2 vCPU Zen 4, same 30 layers): 6.2 / 6.4 / 8.3 / 11.6 /
+    # 36.9 ms against dense 15.8 / 14.2 / 17.6 / 16.3 / 45.2 at 2 / 4 / 8 / 16 / 64 rows; against the
+    # block GEMV 5.5 / 5.6 / 6.1 / 6.0 ms vs 5.2 / 5.1 / 6.6 / 7.7 at 1 / 2 / 3 / 4 rows.
+    int4_max_rows_bf16_gemm = 2
 
     def has_amx(self) -> bool:
         """Whether the CPU has AMX with bf16 tiles (and AVX-512-BF16 for the dequantization)."""
         return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"} <= self.flags
+
+    def gemm_isa(self) -> int:
+        """The block GEMM's instruction set for bf16 batches: 2 AMX, 1 AVX512-BF16 dot products, 0 none
+        (dense GEMMs on a dequantized copy there)."""
+        if not self.gemv_isa():
+            return 0
+        if self.has_amx():
+            return 2
+        return 1 if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= self.flags else 0
 
     def load_quant_kernels(self, policy: QuantPolicy) -> None:
         if policy.gemv_isa and (failed := load_cpu_kernels()) is not None:

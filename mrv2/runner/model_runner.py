@@ -100,7 +100,7 @@ class ModelRunner:
             if packed:
                 logger.info("Dense weights of %d linear layers prepacked for oneDNN (batches of ~%d rows)",
                             packed, rows)
-            if packed or (quant_policy is not None and quant_policy.amx):  # kernels compiled pieces call
+            if packed or (quant_policy is not None and quant_policy.gemm_isa):  # kernels compiled pieces call
                 buckets = row_buckets(rows)
         # A whole decode step compiles where attention allows it and nothing else runs between its layers
         # (a drafter's verify steps are not decodes; a KV connector is called around every layer; tensor-

@@ -45,20 +45,19 @@ def _linears(llm):
     return [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
 
 
-def _amx(llm) -> bool:
-    """Whether larger batches run on the AMX block GEMM (CPUs with AMX tiles): no dense copy then."""
-    platform = llm.engine.runner.platform
-    return platform.has_amx() and bool(platform.gemv_isa()) and torch.ops.mrv2_gguf.amx_ready()
+def _tiled(llm) -> bool:
+    """Whether larger batches run on the block GEMM (CPUs with AMX or AVX512-BF16): no dense copy then."""
+    return llm.engine.runner.platform.gemm_isa() > 0
 
 
 def test_quantization_modes_place_weights_as_asked(engines):
     model = engines["gguf"].engine.runner.model
     assert all(m.int4 is not None and m.weight is None and m.packed is None for m in _linears(engines["gguf"]))
     assert model.lm_head_int4 is not None and model.lm_head_weight is None and model.embed_tokens.weight is None
-    if _amx(engines["auto"]):  # the AMX tiles serve larger batches: no dense copy
+    if _tiled(engines["auto"]):  # the GEMM's tiles serve larger batches: no dense copy
         for llm in (engines["gguf"], engines["auto"]):
             kernels = [m.int4 for m in _linears(llm)] + [llm.engine.runner.model.lm_head_int4]
-            assert all(k.amx is not None for k in kernels)
+            assert all(k.tiles is not None for k in kernels)
             assert all(m.weight is None and m.packed is None for m in _linears(llm))
     else:  # a dense copy beside the int4 packs: plain, or prepacked for oneDNN where the CPU has native bf16
         assert all(m.int4 is not None and (m.weight is not None or m.packed is not None)
@@ -88,11 +87,12 @@ def test_int4_steps_and_packed_steps_replay_compiled_pieces(engines):
     runner = engines["auto"].engine.runner
     graphs = runner.graphs
     # The default graphs: compiled pieces for steps the block GEMV runs (single rows where the AMX GEMM
-    # serves more, up to 4 where oneDNN packs the dense copy, 8 elsewhere) and, where AMX or the packed copy
-    # serves larger steps, for the row buckets up to 64.
-    amx = _amx(engines["auto"])
+    # serves more, 2 where the AVX512-BF16 GEMM does, up to 4 where oneDNN packs the dense copy, 8 elsewhere)
+    # and, where the block GEMM or the packed copy serves larger steps, for the row buckets up to 64.
+    gemm = runner.platform.gemm_isa()
+    amx = gemm > 0  # the block GEMM's tiles, on AMX or AVX512-BF16
     rows, packs = runner.model.int4_rows(), runner.platform.supports_native_bf16() and not amx
-    assert rows == (1 if amx else 4 if packs else 8)
+    assert rows == ({2: 1, 1: 2}[gemm] if amx else 4 if packs else 8)
     # The dequantized model: a decode of one request compiled whole where attention allows it, nothing else.
     dense = engines[None].engine.runner
     if dense.attn_backend.compiled_decode_graphs:
@@ -112,7 +112,7 @@ def test_int4_steps_and_packed_steps_replay_compiled_pieces(engines):
     decode_mode = GraphMode.FULL if whole else GraphMode.PIECEWISE
     assert graphs.replays[decode_mode] - before.get(decode_mode, 0) >= 7  # every decode step
     before = dict(graphs.replays)
-    # 12-row decode steps: compiled pieces padded to 16 rows on the packed copy or AMX, or eager on a plain copy.
+    # 12-row decode steps: compiled pieces padded to 16 rows on the packed copy or the GEMM, or eager on a plain copy.
     engines["auto"].generate(["The capital of France is"] * 12, params)
     replayed = graphs.replays.get(GraphMode.PIECEWISE, 0) - before.get(GraphMode.PIECEWISE, 0)
     assert replayed >= 7 if packs or amx else replayed == 0
@@ -128,8 +128,8 @@ def test_quantized_scores_are_as_close_to_fp32_as_bf16_is(engines, exact):
     # logprob error against fp32.
     assert (int4 - ref).abs().mean() <= 2 * (bf16 - ref).abs().mean()
     auto = engines["auto"].engine.runner.target_logprobs(ids)
-    if _amx(engines["auto"]):
-        # The AMX tiles hold the dense copy's bf16 weights; the fp32 sums' order differs from oneDNN's, and
+    if _tiled(engines["auto"]):
+        # The GEMM's tiles hold the dense copy's bf16 weights; the fp32 sums' order differs from oneDNN's, and
         # 30 layers of bf16 activations carry that as far as bf16's own rounding (Sapphire Rapids: 0.044
         # mean absolute logprob difference from the dense copy; from fp32: bf16 0.056, the AMX GEMM 0.045).
         assert (auto - ref).abs().mean() <= 1.5 * (bf16 - ref).abs().mean()

@@ -83,24 +83,29 @@ SAPPHIRE_RAPIDS = VNNI | {"avx512_bf16", "amx_tile", "amx_bf16"}
 @pytest.mark.parametrize("flags,dtype,quantization", [
     (SAPPHIRE_RAPIDS, torch.bfloat16, "auto"),
     (SAPPHIRE_RAPIDS, torch.bfloat16, "gguf"),
-    (SAPPHIRE_RAPIDS, torch.float32, "gguf"),  # fp32 activations: the AMX GEMM takes bf16 only
-    (SAPPHIRE_RAPIDS - {"amx_bf16"}, torch.bfloat16, "auto"),
+    (SAPPHIRE_RAPIDS, torch.float32, "gguf"),  # fp32 activations: the GEMM takes bf16 only
+    (SAPPHIRE_RAPIDS - {"amx_bf16"}, torch.bfloat16, "auto"),  # AVX512-BF16 left: dot products
     (VNNI | {"avx512_bf16"}, torch.bfloat16, "auto"),  # Zen 4
+    (VNNI | {"avx512_bf16"}, torch.float32, "auto"),
+    (VNNI, torch.bfloat16, "auto"),  # AVX-512 without BF16: dense GEMMs on a copy
+    (ZEN3, torch.bfloat16, "gguf"),
 ])
-def test_amx_block_gemm_follows_cpu_flags_and_dtype(flags, dtype, quantization):
-    """Larger batches run on the AMX GEMM (no dense copy) where the flags name AMX-BF16, the activations are
-    bf16 and the process may use AMX tiles (which only a CPU with AMX grants); else as before."""
+def test_block_gemm_follows_cpu_flags_and_dtype(flags, dtype, quantization):
+    """Larger batches run on the block GEMM (no dense copy) where the activations are bf16: on AMX where the
+    flags name AMX-BF16 and the process may use AMX tiles (which only a CPU with AMX grants), else with
+    AVX512-BF16 dot products where the flags name them; as before elsewhere."""
     from mrv2.platforms.cpu_kernels import load_cpu_kernels
 
     platform = CpuPlatform(frozenset(flags))
     policy, why = platform.quant_policy(dtype, quantization)
-    granted = load_cpu_kernels() is None and torch.ops.mrv2_gguf.amx_ready()
-    amx = platform.has_amx() and dtype == torch.bfloat16 and granted
+    loaded = load_cpu_kernels() is None
+    amx = platform.has_amx() and dtype == torch.bfloat16 and loaded and torch.ops.mrv2_gguf.amx_ready()
+    dot = not amx and "avx512_bf16" in flags and dtype == torch.bfloat16 and loaded
     assert platform.has_amx() == ("amx_bf16" in flags)
-    assert policy.amx == amx and policy.uses_int4
-    assert ("AMX block GEMM" in why) == amx
-    if amx:  # the tiles serve every batch but single rows (the GEMV's): no dense copy
-        assert policy.dense_budget == 0 and policy.int4_max_rows == 1
+    assert policy.gemm_isa == (2 if amx else 1 if dot else 0) and policy.uses_int4
+    assert ("block GEMM (AMX)" in why) == amx and ("block GEMM (AVX512-BF16)" in why) == dot
+    if amx or dot:  # the tiles serve every batch but the GEMV's few rows: no dense copy
+        assert policy.dense_budget == 0 and policy.int4_max_rows == (1 if amx else 2)
 
 
 INTEL, AMD = "GenuineIntel", "AuthenticAMD"

@@ -24,7 +24,8 @@ SOURCE_FILES = tuple(sorted(p for p in _SOURCES.iterdir() if p.suffix in (".cpp"
 @lru_cache(maxsize=1)
 def load_cpu_kernels() -> str | None:
     """Build (once per machine) and load the kernels: the GGUF block GEMVs (`torch.ops.mrv2_gguf.q4_gemv`,
-    `q8_gemv`), the GGUF block GEMMs on AMX (`q4_gemm_amx`, `q8_gemm_amx`, which run where `amx_ready()`) and
+    `q8_gemv`), the GGUF block GEMMs on AMX (`q4_gemm_amx`, `q8_gemm_amx`, which run where `amx_ready()`) and on
+    AVX512-BF16 (`q4_gemm_bf16`, `q8_gemm_bf16`), and
     paged decode attention (`torch.ops.mrv2.paged_decode_attention`, and
     `paged_decode_attention_with_kv`, which first writes the step's keys and values); None when
     loaded, else why not. They need AVX2, FMA and F16C (the caller checks the CPU's flags)."""
@@ -33,7 +34,7 @@ def load_cpu_kernels() -> str | None:
         from torch.utils.cpp_extension import load
         # -fopenmp: at::parallel_for splits rows over torch's OpenMP threads (its own libgomp,
         # already loaded, serves the calls).
-        load(name="mrv2_cpu_kernels", sources=[str(_SOURCES / f) for f in ("gguf_gemv.cpp", "gguf_amx.cpp", "paged_attention.cpp")],
+        load(name="mrv2_cpu_kernels", sources=[str(_SOURCES / f) for f in ("gguf_gemv.cpp", "gguf_gemm.cpp", "paged_attention.cpp")],
              extra_cflags=["-O3", "-fopenmp"],
              extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the caller falls back
@@ -54,13 +55,14 @@ def _register_fakes() -> None:
     def _q8(x, codes, scales, isa, out_dtype=None):
         return x.new_empty(x.shape[0], codes.shape[0], dtype=out_dtype or x.dtype)
 
-    @torch.library.register_fake("mrv2_gguf::q4_gemm_amx")
-    def _q4_amx(x, codes, scales, mins, out_dtype=None):
-        return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2], dtype=out_dtype or x.dtype)
+    for engine in ("amx", "bf16"):
+        @torch.library.register_fake(f"mrv2_gguf::q4_gemm_{engine}")
+        def _q4_gemm(x, codes, scales, mins, out_dtype=None):
+            return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2], dtype=out_dtype or x.dtype)
 
-    @torch.library.register_fake("mrv2_gguf::q8_gemm_amx")
-    def _q8_amx(x, codes, scales, out_dtype=None):
-        return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2], dtype=out_dtype or x.dtype)
+        @torch.library.register_fake(f"mrv2_gguf::q8_gemm_{engine}")
+        def _q8_gemm(x, codes, scales, out_dtype=None):
+            return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2], dtype=out_dtype or x.dtype)
 
     @torch.library.register_fake("mrv2::paged_decode_attention")
     def _attention(query, k_cache, v_cache, block_table, seq_lens, scale, isa=1):

@@ -1,14 +1,15 @@
-// Matrix products on GGUF block weights for batches of rows on CPUs with AMX (Intel Sapphire Rapids
-// and later): the weights stay Q4 or Q8_0 in memory, and each 16-column by 32-row tile of them is
-// dequantized to bf16 in cache, exactly as a dense bf16 copy of the dequantized weights holds them,
-// then multiplied with the activations by the AMX tile unit, summing in fp32.
+// Matrix products on GGUF block weights for batches of rows: the weights stay Q4 or Q8_0 in memory, and
+// each 16-column by 32-row tile of them is dequantized to bf16 in cache, exactly as a dense bf16 copy of
+// the dequantized weights holds them, then multiplied with the activations, summing in fp32: by the AMX
+// tile unit on CPUs with AMX (Intel Sapphire Rapids and later, `*_gemm_amx`), by AVX512-BF16 dot
+// products elsewhere (AMD Zen 4, `*_gemm_bf16`).
 //
 // A dense bf16 copy streams four times the bytes of Q4 weights from memory on every step; here the
-// tiles are dequantized once per call, whatever the rows, and reused by every 16 rows of x.
+// tiles are dequantized once per call, whatever the rows, and reused by every row of x.
 //
 // Weights are laid out for the tiles at load (`mrv2.layers.quantization.AmxTiles`): for each tile
 // of 16 output columns n and 32 input features k, 16 rows r holding the pairs (k = 2r, 2r + 1) of
-// every column, as AMX's bf16 B operand takes them:
+// every column, as AMX's bf16 B operand and vdpbf16ps take them:
 // - q4: [N / 16, K / 32, 16 r, 16 j] bytes, byte j holding the codes of lanes j (low nibble) and
 //   j + 16 (high) of the tile row, whose lane 2n + p is q(n, 2r + p); weight = d * q + m;
 // - q8: [N / 16, K / 32, 16 r, 16 n, 2] int8 codes q(n, 2r), q(n, 2r + 1); weight = d * q;
@@ -200,11 +201,84 @@ void gemm_columns(const at::BFloat16* x, int64_t M, int64_t rows, int64_t K, con
   _tile_release();
 }
 
+
+// R rows of x ([., K] bf16) by one or two column tiles over all of K, from dequantized tiles b0 and b1
+// (kt tiles each, in feature order): per pair of features, each row's two x values broadcast to every
+// lane and one vdpbf16ps per column tile, 2R accumulators held in registers (R <= 12 of 32).
+template <int R, typename Out>
+inline void dot_rows(const at::BFloat16* x, int64_t K, int64_t kt, const uint16_t* b0, const uint16_t* b1,
+                     bool two_cols, Out* out, int64_t N, int64_t m, int64_t n) {
+  __m512 acc0[R], acc1[R];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+    acc0[i] = _mm512_setzero_ps();
+    acc1[i] = _mm512_setzero_ps();
+  }
+  const auto* pairs = reinterpret_cast<const int32_t*>(x + m * K);  // x's features two at a time
+  const int64_t row_pairs = K / 2;
+  for (int64_t p = 0; p < kt * 16; ++p) {  // tile row p % 16 of tile p / 16 holds feature pair p
+    const auto v0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b0 + 32 * p));
+    const auto v1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b1 + 32 * p));
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const auto a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairs[i * row_pairs + p]));
+      acc0[i] = _mm512_dpbf16_ps(acc0[i], a, v0);
+      acc1[i] = _mm512_dpbf16_ps(acc1[i], a, v1);
+    }
+  }
+  alignas(64) float sums[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+    _mm512_store_ps(sums, acc0[i]);
+    store_sums(sums, 1, out, N, m + i, n);
+    if (two_cols) {
+      _mm512_store_ps(sums, acc1[i]);
+      store_sums(sums, 1, out, N, m + i, n + kTileN);
+    }
+  }
+}
+
+constexpr int64_t kDotRows = 12;  // rows of x a dot_rows pass takes at most: 24 accumulators
+
+// out[:, column tiles [t0, t1)] for x [rows, K] with AVX512-BF16 dot products: a pair of column tiles at a
+// time, all K of them dequantized into `scratch` (the vector units do both, so there is nothing to
+// overlap), then multiplied by blocks of rows.
+template <bool kQ4, typename Out>
+void gemm_columns_bf16(const at::BFloat16* x, int64_t rows, int64_t K, const uint8_t* codes, const uint16_t* d16,
+                       const uint16_t* m16, Out* out, int64_t N, int64_t t0, int64_t t1, uint16_t* scratch) {
+  constexpr int64_t kTileBytes = kQ4 ? kTileElems / 2 : kTileElems;
+  const int64_t kt = K / kTileK;
+  // Row blocks of even size (16 rows: two of 8, not 12 and 4).
+  const int64_t blocks = (rows + kDotRows - 1) / kDotRows, per = (rows + blocks - 1) / blocks;
+  for (int64_t t = t0; t < t1; t += 2) {
+    const bool two_cols = t + 1 < t1;
+    for (int64_t j = 0; j < (two_cols ? 2 : 1) * kt; ++j) {
+      const int64_t tile = t * kt + j;  // a column's tiles follow the previous column's
+      dequantize_tile<kQ4>(codes + tile * kTileBytes, d16 + tile * kTileN, kQ4 ? m16 + tile * kTileN : nullptr,
+                           scratch + j * kTileElems);
+    }
+    const uint16_t* b1 = two_cols ? scratch + kt * kTileElems : scratch;
+    for (int64_t m = 0; m < rows; m += per) {
+      switch (std::min(per, rows - m)) {
+#define MRV2_DOT_ROWS(r) \
+  case r:                \
+    dot_rows<r>(x, K, kt, scratch, b1, two_cols, out, N, m, t * kTileN); \
+    break;
+        MRV2_DOT_ROWS(1) MRV2_DOT_ROWS(2) MRV2_DOT_ROWS(3) MRV2_DOT_ROWS(4) MRV2_DOT_ROWS(5) MRV2_DOT_ROWS(6)
+        MRV2_DOT_ROWS(7) MRV2_DOT_ROWS(8) MRV2_DOT_ROWS(9) MRV2_DOT_ROWS(10) MRV2_DOT_ROWS(11) MRV2_DOT_ROWS(12)
+#undef MRV2_DOT_ROWS
+        default:
+          break;
+      }
+    }
+  }
+}
+
 #pragma GCC pop_options
 
 void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t tile_bytes,
-           at::ScalarType code_type) {
-  TORCH_CHECK(request_amx(), "this CPU or kernel gives no AMX tile data to the process");
+           at::ScalarType code_type, bool amx) {
+  TORCH_CHECK(!amx || request_amx(), "this CPU or kernel gives no AMX tile data to the process");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "x must be a contiguous bfloat16 [rows, in_features] tensor");
   const int64_t K = x.size(1);
@@ -220,11 +294,13 @@ void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale
 }
 
 template <bool kQ4, typename Out>
-at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const uint16_t* mins) {
+at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const uint16_t* mins,
+                bool amx) {
   const int64_t rows = x_in.size(0), K = x_in.size(1), tiles = codes.size(0), N = tiles * kTileN;
-  const int64_t M = (rows + kTileM - 1) / kTileM * kTileM;
+  // AMX multiplies whole tiles of 16 rows: zeros below the real rows.
+  const int64_t M = amx ? (rows + kTileM - 1) / kTileM * kTileM : rows;
   at::Tensor x = x_in;
-  if (M != rows) {  // row tiles are whole: zeros below the real rows
+  if (M != rows) {
     x = at::zeros({M, K}, x_in.options());
     x.narrow(0, 0, rows).copy_(x_in);
   }
@@ -236,11 +312,17 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tenso
   auto* o = out.data_ptr<Out>();
   // Pairs of column tiles are the unit of work: each dequantizes its weights once.
   at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    // Two halves of a column pair's tiles, written before they are read; kept from call to call (a
-    // fresh buffer of a few hundred KB is mapped and faulted in on every call).
+    // A column pair's tiles (AMX: two halves, one dequantized while the other is multiplied), written
+    // before they are read; kept from call to call (a fresh buffer of a few hundred KB is mapped and
+    // faulted in on every call).
     thread_local std::vector<uint16_t> scratch;
     scratch.resize(std::max<size_t>(scratch.size(), 4 * (K / kTileK) * kTileElems));
-    gemm_columns<kQ4, Out>(xp, M, rows, K, c, d16, mins, o, N, 2 * p0, std::min(2 * p1, tiles), scratch.data());
+    const int64_t t0 = 2 * p0, t1 = std::min(2 * p1, tiles);
+    if (amx) {
+      gemm_columns<kQ4, Out>(xp, M, rows, K, c, d16, mins, o, N, t0, t1, scratch.data());
+    } else {
+      gemm_columns_bf16<kQ4, Out>(xp, rows, K, c, d16, mins, o, N, t0, t1, scratch.data());
+    }
   });
   return out;
 }
@@ -252,20 +334,38 @@ bool fp32_out(std::optional<at::ScalarType> out_dtype) {
   return out == at::kFloat;
 }
 
-at::Tensor q4_gemm_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                       std::optional<at::ScalarType> out_dtype) {
-  check(x, codes, scales, kTileElems / 2, at::kByte);
+at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                   std::optional<at::ScalarType> out_dtype, bool amx) {
+  check(x, codes, scales, kTileElems / 2, at::kByte, amx);
   TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous(),
               "mins must be shaped and typed like scales");
   const auto* m16 = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  return fp32_out(out_dtype) ? gemm<true, float>(x, codes, scales, m16) : gemm<true, at::BFloat16>(x, codes, scales, m16);
+  return fp32_out(out_dtype) ? gemm<true, float>(x, codes, scales, m16, amx)
+                             : gemm<true, at::BFloat16>(x, codes, scales, m16, amx);
 }
 
+at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                   std::optional<at::ScalarType> out_dtype, bool amx) {
+  check(x, codes, scales, kTileElems, at::kChar, amx);
+  return fp32_out(out_dtype) ? gemm<false, float>(x, codes, scales, nullptr, amx)
+                             : gemm<false, at::BFloat16>(x, codes, scales, nullptr, amx);
+}
+
+at::Tensor q4_gemm_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                       std::optional<at::ScalarType> out_dtype) {
+  return q4_gemm(x, codes, scales, mins, out_dtype, true);
+}
 at::Tensor q8_gemm_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        std::optional<at::ScalarType> out_dtype) {
-  check(x, codes, scales, kTileElems, at::kChar);
-  return fp32_out(out_dtype) ? gemm<false, float>(x, codes, scales, nullptr)
-                             : gemm<false, at::BFloat16>(x, codes, scales, nullptr);
+  return q8_gemm(x, codes, scales, out_dtype, true);
+}
+at::Tensor q4_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& mins, std::optional<at::ScalarType> out_dtype) {
+  return q4_gemm(x, codes, scales, mins, out_dtype, false);
+}
+at::Tensor q8_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        std::optional<at::ScalarType> out_dtype) {
+  return q8_gemm(x, codes, scales, out_dtype, false);
 }
 
 bool amx_ready() { return request_amx(); }
@@ -275,10 +375,14 @@ bool amx_ready() { return request_amx(); }
 TORCH_LIBRARY_FRAGMENT(mrv2_gguf, m) {
   m.def("q4_gemm_amx(Tensor x, Tensor codes, Tensor scales, Tensor mins, ScalarType? out_dtype=None) -> Tensor");
   m.def("q8_gemm_amx(Tensor x, Tensor codes, Tensor scales, ScalarType? out_dtype=None) -> Tensor");
+  m.def("q4_gemm_bf16(Tensor x, Tensor codes, Tensor scales, Tensor mins, ScalarType? out_dtype=None) -> Tensor");
+  m.def("q8_gemm_bf16(Tensor x, Tensor codes, Tensor scales, ScalarType? out_dtype=None) -> Tensor");
   m.def("amx_ready() -> bool", &amx_ready);
 }
 
 TORCH_LIBRARY_IMPL(mrv2_gguf, CPU, m) {
   m.impl("q4_gemm_amx", &q4_gemm_amx);
   m.impl("q8_gemm_amx", &q8_gemm_amx);
+  m.impl("q4_gemm_bf16", &q4_gemm_bf16);
+  m.impl("q8_gemm_bf16", &q8_gemm_bf16);
 }
