@@ -7,7 +7,7 @@
 // A dense bf16 copy streams four times the bytes of Q4 weights from memory on every step; here the
 // tiles are dequantized once per call, whatever the rows, and reused by every row of x.
 //
-// Weights are laid out for the tiles at load (`mrv2.layers.quantization.AmxTiles`): for each tile
+// Weights are laid out for the tiles at load (`mrv2.layers.quantization.GemmTiles`): for each tile
 // of 16 output columns n and 32 input features k, 16 rows r holding the pairs (k = 2r, 2r + 1) of
 // every column, as AMX's bf16 B operand and vdpbf16ps take them:
 // - q4: [N / 16, K / 32, 16 r, 16 j] bytes, byte j holding the codes of lanes j (low nibble) and
