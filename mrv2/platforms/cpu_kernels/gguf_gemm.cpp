@@ -201,7 +201,6 @@ void gemm_columns(const at::BFloat16* x, int64_t M, int64_t rows, int64_t K, con
   _tile_release();
 }
 
-
 // R rows of x ([., K] bf16) by one or two column tiles over all of K, from dequantized tiles b0 and b1
 // (kt tiles each, in feature order): per pair of features, each row's two x values broadcast to every
 // lane and one vdpbf16ps per column tile, 2R accumulators held in registers (R <= 12 of 32).
