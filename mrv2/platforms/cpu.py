@@ -135,8 +135,6 @@ class CpuPlatform(Platform):
         isa = self.gemv_isa()
         failed = load_cpu_kernels() if isa else "the CPU lacks AVX2, FMA or F16C"
         gemm = self.gemm_isa() if failed is None and dtype == torch.bfloat16 else 0
-        if gemm == 2 and not torch.ops.mrv2_gguf.amx_ready():
-            gemm = 1  # the kernel gives the process no AMX tile data: AVX512-BF16 is there all the same
         if gemm:
             rows = self.int4_max_rows_amx if gemm == 2 else self.int4_max_rows_bf16_gemm
             return QuantPolicy(rows, 0, isa, gemm_isa=gemm), (
@@ -191,12 +189,13 @@ class CpuPlatform(Platform):
         return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"} <= self.flags
 
     def gemm_isa(self) -> int:
-        """The block GEMM's instruction set for bf16 batches: 2 AMX, 1 AVX512-BF16 dot products, 0 none
-        (dense GEMMs on a dequantized copy there)."""
-        if not self.gemv_isa():
+        """The block GEMM's instruction set for bf16 batches in this process: 2 AMX (where the OS also grants
+        the tile data), 1 AVX512-BF16 dot products, 0 none (dense GEMMs on a dequantized copy there)."""
+        if not self.gemv_isa() or load_cpu_kernels() is not None:
             return 0
-        if self.has_amx():
+        if self.has_amx() and torch.ops.mrv2_gguf.amx_ready():
             return 2
+        # Every CPU with AMX has AVX512-BF16: where its tiles are not granted, the dot products run.
         return 1 if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= self.flags else 0
 
     def load_quant_kernels(self, policy: QuantPolicy) -> None:

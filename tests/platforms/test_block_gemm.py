@@ -17,7 +17,7 @@ PLATFORM = CpuPlatform()
 LOADED = load_cpu_kernels() is None
 RUNS = {
     2: PLATFORM.has_amx() and LOADED and torch.ops.mrv2_gguf.amx_ready(),
-    1: PLATFORM.gemm_isa() >= 1 and LOADED,  # every CPU with AMX has AVX512-BF16
+    1: PLATFORM.gemm_isa() >= 1,  # every CPU with AMX has AVX512-BF16
 }
 
 
