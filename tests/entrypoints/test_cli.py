@@ -132,7 +132,7 @@ def test_bench_throughput_compare_llama_cpp_with_plot(tmp_path: Path):
 
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     r = run("bench", "throughput", "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "6", "--compare",
-            "llama.cpp", "--json", str(out), "--plot", str(png), "--max-model-len", "256", exact=False)
+            "llama.cpp", "--json", str(out), "--plot", str(png), "--max-model-len", "256", "--enforce-eager", exact=False)
     assert r.returncode == 0, r.stderr
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"1", "3"}
@@ -156,7 +156,7 @@ def test_bench_throughput_rejects_bad_compare(compare, problem):
 def test_bench_throughput_compares_async_on_and_off(tmp_path: Path):
     out = tmp_path / "bench.json"
     r = run("bench", "throughput", "--batch-sizes", "3", "--input-len", "8", "--output-len", "6", "--compare",
-            "async", "--repeat", "2", "--json", str(out), "--max-model-len", "256", "--dtype", "float32")
+            "async", "--repeat", "2", "--json", str(out), "--max-model-len", "256", "--dtype", "float32", "--enforce-eager")
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())["results"]
     assert set(result) == {"3"}
@@ -189,7 +189,9 @@ def _greedy(n: int):
 
 
 def test_default_dtype_is_logged_with_its_reason():
-    r = run("--log-level", "INFO", "generate", "Hello", "--max-tokens", "2", "--max-model-len", "128", exact=False)
+    # Eager: the choice is logged before any graph is built, and a compile would only add a minute.
+    r = run("--log-level", "INFO", "generate", "Hello", "--max-tokens", "2", "--max-model-len", "128", "--enforce-eager",
+            exact=False)
     assert r.returncode == 0, r.stderr
     assert "Running in" in r.stderr and "dtype='auto'" in r.stderr
 
