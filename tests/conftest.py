@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from mrv2.loader import converted_checkpoint, default_gguf_path
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the default `-n 2`), each worker computes on cores of its own: two
+    OpenMP teams sharing every core would stall each other's barriers. The engines a worker
+    builds, and the processes it starts, take that worker's cores as the machine's."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if worker is None or count < 2 or len(cores) < count:
+        return
+    import torch
+
+    per, index = len(cores) // count, int(worker.removeprefix("gw"))
+    os.sched_setaffinity(0, cores[index * per:(index + 1) * per])
+    torch.set_num_threads(per)
+
+
+@pytest.fixture(scope="module")
+def split_threads():
+    """At least two intra-op threads for a module of kernel tests, so that work split over threads is
+    tested on a worker pinned to one core too."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -138,18 +138,18 @@ class CpuPlatform(Platform):
         if gemm:
             rows = self.int4_max_rows_amx if gemm == 2 else self.int4_max_rows_bf16_gemm
             return QuantPolicy(rows, 0, isa, gemm_isa=gemm), (
-                f"mrv2's GGUF block GEMV ({GEMV_ISAS[isa]}) for up to {rows} rows, its block GEMM "
+                f"mrv2's GGUF block GEMV ({GEMV_ISAS[isa]}) for {_up_to_rows(rows)}, its block GEMM "
                 f"({GEMM_ISAS[gemm]}) for more (weights dequantized a tile at a time in cache: no dense copy)")
         if failed is None:
             return QuantPolicy(rows, budget, isa), (
-                f"mrv2's GGUF block GEMV ({GEMV_ISAS[isa]}) for up to {rows} rows (faster than dense GEMMs there), "
+                f"mrv2's GGUF block GEMV ({GEMV_ISAS[isa]}) for {_up_to_rows(rows)} (faster than dense GEMMs there), "
                 + dense)
         # torch's int4 kernel is vectorized for bf16 activations only (8 ms for a 3072 x 576
         # weight in fp32).
         if dtype != torch.bfloat16 or not {"avx2", "avx512f"} & self.flags:
             return QuantPolicy(), f"no fast quantized kernel for this CPU and dtype (mrv2's GGUF block GEMV: {failed})"
         return QuantPolicy(rows, budget), (
-            f"torch's int4 kernel (mrv2's GGUF block GEMV: {failed}) for up to {rows} rows (faster than dense "
+            f"torch's int4 kernel (mrv2's GGUF block GEMV: {failed}) for {_up_to_rows(rows)} (faster than dense "
             f"GEMMs there), " + dense)
 
     # mrv2's block GEMV (`cpu_kernels/gguf_gemv.cpp`) multiplies the weight codes with the
@@ -315,6 +315,10 @@ class CpuPlatform(Platform):
     # and compiles every layer at start-up: 7.7 s a size with Inductor's cache warm, about 25 s
     # cold, against 4.5 s for all eight piecewise sizes. Batch 1, the latency case, is worth it.
     full_decode_max_reqs = 1
+
+
+def _up_to_rows(rows: int) -> str:
+    return f"up to {rows} row" + ("" if rows == 1 else "s")
 
 
 def _anonymous_pages(nbytes: int, huge_pages: bool) -> torch.Tensor:

@@ -20,6 +20,7 @@ MACHINE_ISA = CpuPlatform().attention_isa()
 # Every kernel this CPU can run: the AVX2 one, and the AVX-512 one where it has AVX512-BF16.
 ISAS = [pytest.param(isa, id=f"isa{isa}", marks=pytest.mark.skipif(isa > MACHINE_ISA, reason="needs AVX512-BF16"))
         for isa in (1, 2)]
+pytestmark = pytest.mark.usefixtures("split_threads")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -18,7 +18,7 @@ def test_a_small_run_reports_both_engines_and_identical_outputs(tmp_path, capsys
     out = tmp_path / "prefix.json"
     code = main(["bench", "prefix", "--num-requests", "6", "--prefix-len", "48", "--suffix-len", "4",
                  "--output-len", "3", "--repeat", "1", "--dtype", "float32", "--kv-cache-memory", str(16 << 20),
-                 "--json", str(out)])
+                 "--json", str(out), "--enforce-eager"])
     assert code == 0
     result = json.loads(out.read_text())
     assert set(result["results"]) == {"caching on", "caching off"} and result["identical_outputs"] == 6

@@ -223,7 +223,7 @@ def test_bench_throughput_compares_mrv2_with_one_option_changed(tmp_path: Path, 
 def test_bench_throughput_times_structured_output_beside_unconstrained(tmp_path: Path):
     out = tmp_path / "bench.json"
     r = run("bench", "throughput", "--batch-sizes", "2", "--input-len", "8", "--output-len", "12", "--structured",
-            "json", "--json", str(out), "--max-model-len", "256", exact=False)
+            "json", "--json", str(out), "--max-model-len", "256", "--enforce-eager", exact=False)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())["results"]["2"]
     assert res["ratio_structured_over_unconstrained"] == pytest.approx(res["pair_ratios"][0])

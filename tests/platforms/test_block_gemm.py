@@ -17,6 +17,7 @@ RUNS = {
     2: PLATFORM.gemm_isa() == 2,
     1: PLATFORM.gemm_isa() >= 1,  # every CPU with AMX has AVX512-BF16
 }
+pytestmark = pytest.mark.usefixtures("split_threads")
 
 
 @pytest.fixture(params=sorted(GEMM_ISAS), ids=lambda isa: GEMM_ISAS[isa])

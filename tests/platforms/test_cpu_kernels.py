@@ -16,7 +16,8 @@ MACHINE_ISA = CpuPlatform().gemv_isa()
 # Every instruction set this CPU runs (AVX512-VNNI machines run the AVX2 code as well).
 ISAS = [isa for isa in GEMV_ISAS if isa <= MACHINE_ISA]
 
-pytestmark = pytest.mark.skipif(not ISAS, reason="the block GEMV needs AVX2, FMA and F16C")
+pytestmark = [pytest.mark.skipif(not ISAS, reason="the block GEMV needs AVX2, FMA and F16C"),
+              pytest.mark.usefixtures("split_threads")]
 
 
 @pytest.fixture(scope="module", autouse=True)
