@@ -16,14 +16,15 @@ def pytest_configure(config):
     OpenMP teams sharing every core would stall each other's barriers. The engines a worker
     builds, and the processes it starts, take that worker's cores as the machine's."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    cores = sorted(os.sched_getaffinity(0))
-    if worker is None or count < 2 or len(cores) < count:
+    if worker is None or count < 2 or len(os.sched_getaffinity(0)) < count:
         return
     import torch
 
-    per, index = len(cores) // count, int(worker.removeprefix("gw"))
-    os.sched_setaffinity(0, cores[index * per:(index + 1) * per])
-    torch.set_num_threads(per)
+    from mrv2.platforms.cpu import CpuPlatform
+
+    platform = CpuPlatform()
+    platform.bind_rank(int(worker.removeprefix("gw")), count)  # a worker's cores, as a rank's
+    torch.set_num_threads(platform.compute_threads())
 
 
 @pytest.fixture(scope="module")

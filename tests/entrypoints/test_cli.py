@@ -22,7 +22,7 @@ def run(*args: str, input: str | None = None, exact: bool = True, eager: bool = 
     is False or graph options are given: these tests are about the command's options, the graphs' tokens
     are tested in tests/runner and below with the default settings."""
     command = next((a for a in args if a in ("generate", "chat", "bench")), None)  # past global options
-    if exact and command in ("generate", "chat", "bench") and "--dtype" not in args:
+    if exact and command is not None and "--dtype" not in args:
         args = (*args, "--dtype", "float32")
     if eager and command in ("generate", "chat") and not any(a.startswith("--graph") for a in args):
         args = (*args, "--enforce-eager")
