@@ -84,6 +84,20 @@ class QuantPolicy:
 
 
 @dataclass(frozen=True)
+class DenseGemvPolicy:
+    """Dense float32 weights (linear layers and the LM head) run batches of at most `max_rows` rows on
+    the platform's own GEMV kernel, in its instruction set `isa` (the platform's numbering)."""
+
+    isa: int
+    max_rows: int
+
+    def __post_init__(self) -> None:
+        if self.isa <= 0 or self.max_rows <= 0:
+            raise ValueError(f"a dense GEMV needs an instruction set and rows, got isa={self.isa}, "
+                             f"max_rows={self.max_rows}")
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: block size, memory budget, layout and alignment.
 

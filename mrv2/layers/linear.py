@@ -3,7 +3,8 @@
 A shard may arrive quantized (`QuantizedWeight`, from a GGUF file); once every weight
 is loaded, `finalize_quantization` decides how the layer runs it: through the int4
 kernel for small batches (with a dense copy for larger ones when the budget allows),
-or dequantized.
+or dequantized. Dense float32 weights may run small batches on the platform's own GEMV
+(`use_dense_gemv`), larger ones through torch.
 
 Under tensor parallelism (`tp`, see `mrv2.distributed.parallel`) a linear holds a slice:
 "column" layers hold part of every shard's output rows and need no communication; "row"
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mrv2.config import QuantPolicy
+from mrv2.config import DenseGemvPolicy, QuantPolicy
 from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.layers.batch_invariant import tiled_linear
 from mrv2.layers.packed import PACKED_DTYPES, PackedWeight
@@ -63,6 +64,7 @@ class Linear(nn.Module):
         self.int4: QuantizedMatmul | None = None  # the small-batch kernel (int4 or block GEMV)
         self.int4_max_rows = 0
         self.row_tile = 0  # > 0: batch-invariant, through calls of exactly this many rows (dense weight only)
+        self.gemv: DenseGemvPolicy | None = None  # small batches on the platform's dense GEMV (`use_dense_gemv`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.reduce:
@@ -77,6 +79,8 @@ class Linear(nn.Module):
         if self.int4 is not None and (not dense or x.numel() <= self.int4_max_rows * x.shape[-1]):
             y = self.int4(x)
             return y if bias is None else y.add_(bias)
+        if self.gemv is not None and x.numel() <= self.gemv.max_rows * x.shape[-1]:
+            return dense_gemv(x, self.weight, bias, self.gemv)
         if self.packed is not None:
             return self.packed(x, bias)
         return F.linear(x, self.weight, bias)
@@ -94,6 +98,15 @@ class Linear(nn.Module):
             return False
         self.packed = PackedWeight(self.weight, rows_hint)
         self.weight = None
+        return True
+
+    def use_dense_gemv(self, policy: DenseGemvPolicy) -> bool:
+        """Run batches of up to `policy.max_rows` rows on the platform's dense GEMV; False where the weight
+        is not a plain contiguous float32 one (quantized, packed, batch-invariant or another dtype)."""
+        w = self.weight
+        if w is None or self.int4 is not None or self.row_tile or w.dtype != torch.float32 or not w.is_contiguous():
+            return False
+        self.gemv = policy
         return True
 
     def load_shard(self, param: nn.Parameter, shard: int, value: torch.Tensor | QuantizedWeight) -> None:
@@ -140,3 +153,16 @@ class Linear(nn.Module):
 def pack_linears(module: nn.Module, rows_hint: int) -> int:
     """Prepack every packable dense `Linear` inside `module` for oneDNN (see `Linear.pack`); how many were."""
     return sum(m.pack(rows_hint) for m in module.modules() if isinstance(m, Linear))
+
+
+def use_dense_gemv(module: nn.Module, policy: DenseGemvPolicy) -> int:
+    """Run small batches of every plain float32 `Linear` inside `module` on the platform's dense GEMV
+    (see `Linear.use_dense_gemv`); how many do."""
+    return sum(m.use_dense_gemv(policy) for m in module.modules() if isinstance(m, Linear))
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               policy: DenseGemvPolicy) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias) in float32 on the platform's dense GEMV (`torch.ops.mrv2`)."""
+    y = torch.ops.mrv2.dense_gemv(x.reshape(-1, x.shape[-1]), weight, bias, policy.isa)
+    return y.view(*x.shape[:-1], weight.shape[0])

@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mrv2.config import QuantPolicy
+from mrv2.config import DenseGemvPolicy, QuantPolicy
 from mrv2.distributed.kv_transfer.base import KVConnectorWorker
 from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.kv_spec import KVCacheSpec
 from mrv2.layers.batch_invariant import ROW_TILE, tiled_linear
 from mrv2.layers.embedding import VocabEmbedding
-from mrv2.layers.linear import Linear, TPSlice, pack_linears
+from mrv2.layers.linear import Linear, TPSlice, dense_gemv, pack_linears, use_dense_gemv
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.packed import PACKED_DTYPES, pack_weight, packed_linear, packing_available
 from mrv2.layers.quantization import (BlockGemv, QuantizedMatmul, QuantizedWeight, place_in_one_buffer,
@@ -122,6 +122,7 @@ class CausalLM(nn.Module):
         self.lm_head_int4: QuantizedMatmul | None = None
         self.lm_head_int4_max_rows = 0
         self.lm_head_packed: torch.Tensor | None = None  # the dense LM head in oneDNN's layout
+        self.lm_head_gemv: DenseGemvPolicy | None = None  # small batches on the platform's dense GEMV
         self.row_tile = 0  # > 0: batch-invariant LM head (`make_batch_invariant`)
         self.aux_hidden: torch.Tensor | None = None  # see `keep_aux_hidden`
         # Prefill/decode disaggregation: told around every attention call over the cache.
@@ -213,6 +214,8 @@ class CausalLM(nn.Module):
         dense = self.lm_head_weight is not None or self.lm_head_packed is not None
         if self.lm_head_int4 is not None and (not dense or hidden.shape[0] <= self.lm_head_int4_max_rows):
             return self.lm_head_int4(hidden, torch.float32)
+        if self.lm_head_gemv is not None and hidden.shape[0] <= self.lm_head_gemv.max_rows:
+            return dense_gemv(hidden, self.lm_head_weight, None, self.lm_head_gemv)  # one call, in threads
         if self.lm_head_packed is not None:  # one call: oneDNN blocks the packed vocabulary itself
             return packed_linear(hidden, self.lm_head_packed, None).float()
         if chunk_rows is None or chunk_rows >= self.lm_head_weight.shape[0]:
@@ -273,6 +276,17 @@ class CausalLM(nn.Module):
                 self.lm_head_weight = None
             packed += 1
         return packed
+
+    def use_dense_gemv(self, policy: DenseGemvPolicy) -> int:
+        """Run small batches of every plain float32 linear weight and of the LM head on the platform's dense
+        GEMV (`layers/linear.py`); how many weights do. Call it after loading, instead of packing."""
+        count = use_dense_gemv(self, policy)
+        head = self.lm_head_weight
+        if (head is not None and self.lm_head_int4 is None and self.lm_head_packed is None and not self.row_tile
+                and head.dtype == torch.float32 and head.is_contiguous()):
+            self.lm_head_gemv = policy
+            count += 1
+        return count
 
     def finalize_quantization(self, policy: QuantPolicy,
                               allocate: Callable[[int], torch.Tensor] | None = None) -> str | None:

@@ -10,7 +10,7 @@ from types import MappingProxyType
 
 import torch
 
-from mrv2.config import GiB, GraphConfig, GraphMode, QuantPolicy
+from mrv2.config import DenseGemvPolicy, GiB, GraphConfig, GraphMode, QuantPolicy
 from mrv2.platforms.cpu_kernels import SOURCE_FILES, load_cpu_kernels
 from mrv2.platforms.device_queue import DeviceQueue, InlineQueue, WorkerThreadQueue
 from mrv2.platforms.graphs import CompiledGraphBackend, EagerGraphBackend, GraphBackend
@@ -36,6 +36,7 @@ def _cpuinfo() -> dict[str, str]:
 GEMV_ISAS = {1: "AVX2", 2: "AVX512-VNNI"}  # CpuPlatform.gemv_isa's numbering, as the kernels take it
 ATTENTION_ISAS = {1: "AVX2", 2: "AVX-512 with AVX512-BF16"}  # CpuPlatform.attention_isa's numbering
 GEMM_ISAS = {1: "AVX512-BF16", 2: "AMX"}  # CpuPlatform.gemm_isa's numbering
+DENSE_GEMV_ISAS = {1: "AVX2", 2: "AVX-512"}  # CpuPlatform.dense_gemv_policy's numbering
 
 
 def _meminfo(key: str) -> int:
@@ -223,6 +224,27 @@ class CpuPlatform(Platform):
     def packs_fp32(self) -> bool:
         """Whether fp32 dense weights are prepacked for oneDNN (AMD CPUs, where MKL's fp32 GEMMs are slow)."""
         return self.vendor == "AuthenticAMD"
+
+    # mrv2's dense fp32 GEMV (`cpu_kernels/dense_gemv.cpp`) against `F.linear` (MKL), the default model's
+    # 120 layer weights and its LM head from memory (2 vCPU Sapphire Rapids, medians of 27 in-process
+    # rounds): 26.9 / 31.4 / 28.2 / 34.7 / 60.5 / 91.3 / 152.5 ms against 32.1 / 35.2 / 51.5 / 63.4 / 82.6 /
+    # 96.5 / 124.4 at 1 / 2 / 4 / 8 / 16 / 32 / 64 rows: the weights stream once a call, where MKL's
+    # small-row GEMMs read them at 8-17 GB/s. Past 32 rows the multiplications, not the bytes, bound it.
+    dense_gemv_max_rows = 16
+
+    def dense_gemv_policy(self, dtype: torch.dtype) -> tuple[DenseGemvPolicy | None, str]:
+        if dtype != torch.float32:
+            return None, f"no dense GEMV for {str(dtype).removeprefix('torch.')} weights"
+        if self.packs_fp32():
+            return None, "fp32 weights are prepacked for oneDNN on this CPU (see packs_fp32)"
+        if not self.gemv_isa():
+            return None, "the CPU lacks AVX2, FMA or F16C"
+        if (failed := load_cpu_kernels()) is not None:
+            return None, f"mrv2's CPU kernels did not load: {failed}"
+        isa = 2 if "avx512f" in self.flags else 1
+        return DenseGemvPolicy(isa, self.dense_gemv_max_rows), (
+            f"mrv2's dense GEMV ({DENSE_GEMV_ISAS[isa]}) for {_up_to_rows(self.dense_gemv_max_rows)}, "
+            "torch's GEMMs for more")
 
     def half_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         # bf16 whatever the checkpoint: CPUs with native bf16 have no fast fp16 GEMMs.

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from mrv2.config import GraphConfig, GraphMode, QuantPolicy
+from mrv2.config import DenseGemvPolicy, GraphConfig, GraphMode, QuantPolicy
 
 from mrv2.platforms.device_queue import DeviceQueue, InlineQueue
 from mrv2.platforms.graphs import EagerGraphBackend, GraphBackend
@@ -101,6 +101,11 @@ class Platform(ABC):
         """Rows to pack dense linear weights for (`layers/packed.py`) at `dtype`, or None to keep
         plain weights (the base platform: no packed kernels)."""
         return None
+
+    def dense_gemv_policy(self, dtype: torch.dtype) -> tuple[DenseGemvPolicy | None, str]:
+        """Whether plain dense weights at `dtype` run small batches on the platform's own GEMV, and why
+        (the base platform: no such kernel)."""
+        return None, "no dense GEMV kernel on this platform"
 
     def half_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The half-precision dtype "auto" picks: the checkpoint's own if it is one, else bf16."""

@@ -26,6 +26,7 @@ from mrv2.distributed.kv_transfer import KVConnectorMetadata, KVConnectorWorker,
 from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.engine.scheduler_output import SchedulerOutput
 from mrv2.kv_spec import KVCacheSpec
+from mrv2.layers.linear import use_dense_gemv
 from mrv2.layers.packed import row_buckets
 from mrv2.models.registry import attention_kind, build_model
 from mrv2.platforms import Platform
@@ -102,6 +103,7 @@ class ModelRunner:
                             packed, rows)
             if packed or (quant_policy is not None and quant_policy.gemm_isa):  # kernels compiled pieces call
                 buckets = row_buckets(rows)
+        self._use_dense_gemv(platform, dtype)  # not where packed or batch-invariant: those weights are not plain
         # A whole decode step compiles where attention allows it and nothing else runs between its layers
         # (a drafter's verify steps are not decodes; a KV connector is called around every layer; tensor-
         # parallel ranks exchange partial sums through shared memory, which dynamo does not trace).
@@ -254,6 +256,16 @@ class ModelRunner:
         req_ids = [req_ids[i] for i in order]
         idx = np.fromiter((self.states.slot_of[r] for r in req_ids), np.int64, len(req_ids))
         return req_ids, idx, num_scheduled[order]
+
+    def _use_dense_gemv(self, platform: Platform, dtype: torch.dtype) -> None:
+        """Plain dense weights left after packing run small batches on the platform's GEMV where it has one."""
+        policy, why = platform.dense_gemv_policy(dtype)
+        if policy is None:
+            return
+        count = self.model.use_dense_gemv(policy)
+        count += use_dense_gemv(self.drafter.head, policy) if self.drafter else 0
+        if count:
+            logger.info("Dense weights: %d of them (linear layers, LM head) run %s", count, why)
 
     def execute_model(self, sched: SchedulerOutput) -> None:
         """Launch the forward pass for `sched` (host work here, device work queued);

@@ -27,21 +27,22 @@ def load_cpu_kernels() -> str | None:
     `q8_gemv`), the GGUF block GEMMs on AMX (`q4_gemm_amx`, `q8_gemm_amx`, which run where `amx_ready()`) and on
     AVX512-BF16 (`q4_gemm_bf16`, `q8_gemm_bf16`), and
     paged decode attention (`torch.ops.mrv2.paged_decode_attention`, and
-    `paged_decode_attention_with_kv`, which first writes the step's keys and values); None when
-    loaded, else why not. They need AVX2, FMA and F16C (the caller checks the CPU's flags)."""
+    `paged_decode_attention_with_kv`, which first writes the step's keys and values), and the dense fp32
+    GEMV for a few rows (`torch.ops.mrv2.dense_gemv`); None when loaded, else why not. They need AVX2, FMA and F16C (the caller checks the CPU's flags)."""
     start = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load
         # -fopenmp: at::parallel_for splits rows over torch's OpenMP threads (its own libgomp,
         # already loaded, serves the calls).
-        load(name="mrv2_cpu_kernels", sources=[str(_SOURCES / f) for f in ("gguf_gemv.cpp", "gguf_gemm.cpp", "paged_attention.cpp")],
+        files = ("gguf_gemv.cpp", "gguf_gemm.cpp", "paged_attention.cpp", "dense_gemv.cpp")
+        load(name="mrv2_cpu_kernels", sources=[str(_SOURCES / f) for f in files],
              extra_cflags=["-O3", "-fopenmp"],
              extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the caller falls back
         lines = str(e).strip().splitlines()
         return f"{type(e).__name__}: {lines[-1] if lines else ''}"
     _register_fakes()
-    logger.info("CPU kernels (GGUF block GEMV and GEMM, paged decode attention) loaded in %.1f s", time.perf_counter() - start)
+    logger.info("CPU kernels (GGUF block GEMV and GEMM, paged decode attention, dense GEMV) loaded in %.1f s", time.perf_counter() - start)
     return None
 
 
@@ -63,6 +64,10 @@ def _register_fakes() -> None:
         @torch.library.register_fake(f"mrv2_gguf::q8_gemm_{engine}")
         def _q8_gemm(x, codes, scales, out_dtype=None):
             return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2], dtype=out_dtype or x.dtype)
+
+    @torch.library.register_fake("mrv2::dense_gemv")
+    def _dense_gemv(x, weight, bias, isa):
+        return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("mrv2::paged_decode_attention")
     def _attention(query, k_cache, v_cache, block_table, seq_lens, scale, isa=1):

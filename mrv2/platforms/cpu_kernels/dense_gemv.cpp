@@ -1,0 +1,185 @@
+// Matrix-vector products on dense fp32 weights for a few rows of x: the exact mode's batch-1 decode
+// step, whose every linear layer and LM head streams its weights from memory once a step.
+//
+// A weight [N, K] is row-major, as torch's Linear holds it. Groups of kGroupRows weight rows are
+// multiplied with up to a pass's rows of x at a time, accumulators in registers, so a group is read
+// from memory once whatever the rows of x (later passes find it in cache). Groups are split over the
+// intra-op threads. Each row touches its lines one group ahead (the same place in the next group's
+// rows): the hardware prefetchers follow a group's four streams but fall behind. Measured on the
+// default model's 120 layer weights and LM head, fp32, one row, 2 vCPU Sapphire Rapids (median of 27
+// in-process rounds against F.linear, which calls MKL): 1.15-1.19x one group ahead, 1.06x four, 0.92x
+// without (a prefetch of the line being read).
+// `isa` is the instruction set the caller found in the CPU's flags: 2 for AVX-512F, 1 for AVX2 + FMA.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+
+namespace {
+
+constexpr int kGroupRows = 4;
+
+struct Problem {
+  const float* x;
+  int64_t ldx;
+  const float* w;
+  int64_t K;
+  const float* bias;  // nullptr: none
+  float* out;
+  int64_t ldo;
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+
+constexpr int kPassRows = 2;  // 16 ymm registers: R * P accumulators, R weight and P x loads
+
+inline float sum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// Rows [n, n + R) of w against rows [m, m + P) of x.
+template <int R, int P>
+void dot(const Problem& p, int64_t n, int64_t m, int64_t ahead) {
+  const float* w = p.w + n * p.K;
+  const float* x = p.x + m * p.ldx;
+  __m256 acc[P][R];
+  for (int i = 0; i < P; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  const int64_t K8 = p.K / 8 * 8;
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 xv[P];
+    for (int i = 0; i < P; ++i) xv[i] = _mm256_loadu_ps(x + i * p.ldx + k);
+    for (int r = 0; r < R; ++r) {
+      if ((k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + r * p.K + k + ahead), _MM_HINT_T0);
+      const __m256 wv = _mm256_loadu_ps(w + r * p.K + k);
+      for (int i = 0; i < P; ++i) acc[i][r] = _mm256_fmadd_ps(wv, xv[i], acc[i][r]);
+    }
+  }
+  if (K8 < p.K) {
+    alignas(32) int32_t lanes[8];
+    for (int j = 0; j < 8; ++j) lanes[j] = K8 + j < p.K ? -1 : 0;
+    const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+    __m256 xv[P];
+    for (int i = 0; i < P; ++i) xv[i] = _mm256_maskload_ps(x + i * p.ldx + K8, mask);
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = _mm256_maskload_ps(w + r * p.K + K8, mask);
+      for (int i = 0; i < P; ++i) acc[i][r] = _mm256_fmadd_ps(wv, xv[i], acc[i][r]);
+    }
+  }
+  for (int i = 0; i < P; ++i)
+    for (int r = 0; r < R; ++r)
+      p.out[(m + i) * p.ldo + n + r] = sum8(acc[i][r]) + (p.bias != nullptr ? p.bias[n + r] : 0.0f);
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f")
+namespace avx512 {
+
+constexpr int kPassRows = 4;  // 32 zmm registers
+
+template <int R, int P>
+void dot(const Problem& p, int64_t n, int64_t m, int64_t ahead) {
+  const float* w = p.w + n * p.K;
+  const float* x = p.x + m * p.ldx;
+  __m512 acc[P][R];
+  for (int i = 0; i < P; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+  const int64_t K16 = p.K / 16 * 16;
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m512 xv[P];
+    for (int i = 0; i < P; ++i) xv[i] = _mm512_loadu_ps(x + i * p.ldx + k);
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * p.K + k + ahead), _MM_HINT_T0);
+      const __m512 wv = _mm512_loadu_ps(w + r * p.K + k);
+      for (int i = 0; i < P; ++i) acc[i][r] = _mm512_fmadd_ps(wv, xv[i], acc[i][r]);
+    }
+  }
+  if (K16 < p.K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (p.K - K16)) - 1);
+    __m512 xv[P];
+    for (int i = 0; i < P; ++i) xv[i] = _mm512_maskz_loadu_ps(mask, x + i * p.ldx + K16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_maskz_loadu_ps(mask, w + r * p.K + K16);
+      for (int i = 0; i < P; ++i) acc[i][r] = _mm512_fmadd_ps(wv, xv[i], acc[i][r]);
+    }
+  }
+  for (int i = 0; i < P; ++i)
+    for (int r = 0; r < R; ++r)
+      p.out[(m + i) * p.ldo + n + r] = _mm512_reduce_add_ps(acc[i][r]) + (p.bias != nullptr ? p.bias[n + r] : 0.0f);
+}
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+// Weight rows [n, n + R) against every row of x, a pass of up to ISA::kPassRows rows at a time.
+template <int R, typename Dot>
+void rows_pass(const Problem& p, int64_t M, int64_t pass_rows, int64_t n, int64_t ahead, Dot dot) {
+  for (int64_t m = 0; m < M; m += pass_rows) dot(std::integral_constant<int, R>{}, n, m,
+                                                 std::min(pass_rows, M - m), ahead);
+}
+
+at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                      int64_t isa) {
+  TORCH_CHECK(isa == 1 || isa == 2, "isa must be 1 (AVX2) or 2 (AVX-512), got ", isa);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+              weight.size(1) == x.size(1), "weight must be a contiguous float32 [N, K] tensor, K = x's columns");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat &&
+                bias->is_contiguous(), "bias must be a contiguous float32 [N] tensor");
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const at::Tensor xr = x.stride(1) == 1 ? x : x.contiguous();
+  const Problem p{xr.data_ptr<float>(), xr.stride(0), weight.data_ptr<float>(), K,
+                  bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), N};
+  const int64_t groups = N / kGroupRows;
+  const int64_t ahead = kGroupRows * K;  // floats: one group on
+  const int64_t pass_rows = isa == 2 ? avx512::kPassRows : avx2::kPassRows;
+  // About 64K weights a task: smaller pieces cost more in scheduling than they save.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kGroupRows * K));
+  auto run = [&](auto rows, int64_t n, int64_t m, int64_t P, int64_t a) {
+    constexpr int R = decltype(rows)::value;
+    const int64_t safe = (n + R) * K + a <= N * K ? a : 0;  // the last group's prefetches stay in the weight
+    if (isa == 2) {
+      switch (P) {
+        case 1: avx512::dot<R, 1>(p, n, m, safe); break;
+        case 2: avx512::dot<R, 2>(p, n, m, safe); break;
+        case 3: avx512::dot<R, 3>(p, n, m, safe); break;
+        default: avx512::dot<R, 4>(p, n, m, safe); break;
+      }
+    } else {
+      switch (P) {
+        case 1: avx2::dot<R, 1>(p, n, m, safe); break;
+        default: avx2::dot<R, 2>(p, n, m, safe); break;
+      }
+    }
+  };
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) rows_pass<kGroupRows>(p, M, pass_rows, g * kGroupRows, ahead, run);
+  });
+  for (int64_t n = groups * kGroupRows; n < N; ++n) rows_pass<1>(p, M, pass_rows, n, 0, run);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mrv2, m) {
+  m.def("dense_gemv(Tensor x, Tensor weight, Tensor? bias, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mrv2, CPU, m) { m.impl("dense_gemv", &dense_gemv); }

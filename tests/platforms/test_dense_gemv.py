@@ -1,0 +1,131 @@
+"""The CPU platform's dense fp32 GEMV (`mrv2/platforms/cpu_kernels/dense_gemv.cpp`): each instruction set
+this machine runs gives F.linear's products within fp32 rounding, for any shape, eagerly and compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mrv2.config import DenseGemvPolicy
+from mrv2.layers.linear import Linear
+from mrv2.platforms.cpu import DENSE_GEMV_ISAS, CpuPlatform
+from mrv2.platforms.cpu_kernels import load_cpu_kernels
+
+MACHINE = CpuPlatform()
+# Every instruction set this CPU runs (AVX-512 machines run the AVX2 code as well).
+ISAS = [isa for isa, flag in ((1, "avx2"), (2, "avx512f")) if MACHINE.gemv_isa() and flag in MACHINE.flags]
+
+pytestmark = [pytest.mark.skipif(not ISAS, reason="the dense GEMV needs AVX2, FMA and F16C"),
+              pytest.mark.usefixtures("split_threads")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    failed = load_cpu_kernels()
+    assert failed is None, failed
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if bias is None else bias.double())
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
+    """fp32 sums of k products: within a few ulps of the products' scale times sqrt(k)."""
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    tol = 4 * 2 ** -24 * max(k, 1) ** 0.5 * 4 * (want.abs().max().item() + 1)
+    assert (got.double() - want).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: DENSE_GEMV_ISAS[i])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17])  # passes of 2 (AVX2) or 4 rows, and remainders
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (17, 37), (8, 4), (1, 5), (100, 3)])  # K and N tails
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_gemv_equals_f_linear(isa, rows, k, n, bias):
+    torch.manual_seed(rows * 1000 + k + n)
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    _close(torch.ops.mrv2.dense_gemv(x, w, b, isa), _reference(x, w, b), k)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: DENSE_GEMV_ISAS[i])
+def test_a_rows_result_does_not_depend_on_the_rows_computed_with_it(isa):
+    torch.manual_seed(1)
+    x, w = torch.randn(11, 200), torch.randn(70, 200)
+    whole = torch.ops.mrv2.dense_gemv(x, w, None, isa)
+    for i in range(11):
+        assert torch.equal(whole[i:i + 1], torch.ops.mrv2.dense_gemv(x[i:i + 1], w, None, isa))
+
+
+def test_strided_activations_and_empty_operands():
+    isa = ISAS[-1]
+    torch.manual_seed(2)
+    w = torch.randn(48, 64)
+    rows = torch.randn(6, 64)[::2]  # strided rows, as slices of a batch are
+    columns = torch.randn(64, 3).t()  # columns not contiguous: copied first
+    for x in (rows, columns):
+        _close(torch.ops.mrv2.dense_gemv(x, w, None, isa), _reference(x, w, None), 64)
+    assert torch.ops.mrv2.dense_gemv(torch.randn(0, 64), w, None, isa).shape == (0, 48)
+    assert torch.ops.mrv2.dense_gemv(torch.randn(2, 64), w[:0], None, isa).shape == (2, 0)
+
+
+def test_bad_operands_name_the_problem():
+    x, w = torch.randn(1, 32), torch.randn(8, 32)
+    with pytest.raises(RuntimeError, match="isa must be"):
+        torch.ops.mrv2.dense_gemv(x, w, None, 3)
+    with pytest.raises(RuntimeError, match="x must be a float32"):
+        torch.ops.mrv2.dense_gemv(x.bfloat16(), w, None, ISAS[0])
+    with pytest.raises(RuntimeError, match="weight must be a contiguous float32"):
+        torch.ops.mrv2.dense_gemv(x, torch.randn(32, 8).t(), None, ISAS[0])
+    with pytest.raises(RuntimeError, match="K = x's columns"):
+        torch.ops.mrv2.dense_gemv(torch.randn(1, 16), w, None, ISAS[0])
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.mrv2.dense_gemv(x, w, torch.randn(7), ISAS[0])
+
+
+def test_linear_runs_small_batches_on_it_and_larger_ones_through_torch():
+    policy = DenseGemvPolicy(ISAS[-1], max_rows=4)
+    torch.manual_seed(3)
+    layer = Linear(96, [80, 48], True, torch.float32)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    w, b = layer.weight.detach(), layer.bias.detach()
+    assert layer.use_dense_gemv(policy) and layer.gemv == policy
+    small, large = torch.randn(2, 2, 96), torch.randn(5, 96)  # leading dims: 4 rows in all
+    assert torch.equal(layer(small), torch.ops.mrv2.dense_gemv(small.reshape(4, 96), w, b, policy.isa).view(2, 2, 128))
+    assert torch.equal(layer(large), F.linear(large, w, b))
+
+
+def test_only_plain_float32_weights_take_it():
+    policy = DenseGemvPolicy(ISAS[-1], max_rows=16)
+    assert not Linear(32, [16], False, torch.bfloat16).use_dense_gemv(policy)
+    tiled = Linear(32, [16], False, torch.float32)
+    tiled.row_tile = 8  # batch-invariant mode: fixed tiles through torch
+    assert not tiled.use_dense_gemv(policy)
+    packed = Linear(32, [16], False, torch.float32)
+    if packed.pack(64):  # oneDNN's layout replaces the plain weight
+        assert not packed.use_dense_gemv(policy)
+
+
+def test_compiled_code_calls_each_layers_weight_through_one_graph():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    policy = DenseGemvPolicy(ISAS[-1], max_rows=16)
+    torch.manual_seed(4)
+    layers = []
+    for _ in range(2):
+        layer = Linear(96, [80], True, torch.float32)
+        layer.weight.data.normal_()
+        layer.bias.data.normal_()
+        assert layer.use_dense_gemv(policy)
+        layers.append(layer)
+
+    def block(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(layer(x * 2))
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(block, backend=counter, dynamic=False)
+    x = torch.randn(1, 96)
+    for layer in layers:  # a graph that baked one layer's weight in would give the other's result
+        assert torch.equal(compiled(layer, x), block(layer, x))
+    assert counter.frame_count == 1
