@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <type_traits>
 
 namespace {
 
@@ -124,11 +123,26 @@ void dot(const Problem& p, int64_t n, int64_t m, int64_t ahead) {
 }  // namespace avx512
 #pragma GCC pop_options
 
-// Weight rows [n, n + R) against every row of x, a pass of up to ISA::kPassRows rows at a time.
-template <int R, typename Dot>
-void rows_pass(const Problem& p, int64_t M, int64_t pass_rows, int64_t n, int64_t ahead, Dot dot) {
-  for (int64_t m = 0; m < M; m += pass_rows) dot(std::integral_constant<int, R>{}, n, m,
-                                                 std::min(pass_rows, M - m), ahead);
+// Weight rows [n, n + R) against every row of x, a pass of up to the instruction set's rows at a
+// time; each row's lines `ahead` floats on are prefetched (0: none).
+template <int R>
+void rows_against_x(const Problem& p, int64_t n, int64_t M, int64_t ahead, int64_t isa) {
+  const int64_t pass_rows = isa == 2 ? avx512::kPassRows : avx2::kPassRows;
+  for (int64_t m = 0; m < M; m += pass_rows) {
+    const int64_t rows = std::min(pass_rows, M - m);
+    if (isa == 2) {
+      switch (rows) {
+        case 1: avx512::dot<R, 1>(p, n, m, ahead); break;
+        case 2: avx512::dot<R, 2>(p, n, m, ahead); break;
+        case 3: avx512::dot<R, 3>(p, n, m, ahead); break;
+        default: avx512::dot<R, 4>(p, n, m, ahead); break;
+      }
+    } else if (rows == 1) {
+      avx2::dot<R, 1>(p, n, m, ahead);
+    } else {
+      avx2::dot<R, 2>(p, n, m, ahead);
+    }
+  }
 }
 
 at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -148,31 +162,15 @@ at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& weight, const std::
   const Problem p{xr.data_ptr<float>(), xr.stride(0), weight.data_ptr<float>(), K,
                   bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), N};
   const int64_t groups = N / kGroupRows;
-  const int64_t ahead = kGroupRows * K;  // floats: one group on
-  const int64_t pass_rows = isa == 2 ? avx512::kPassRows : avx2::kPassRows;
   // About 64K weights a task: smaller pieces cost more in scheduling than they save.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kGroupRows * K));
-  auto run = [&](auto rows, int64_t n, int64_t m, int64_t P, int64_t a) {
-    constexpr int R = decltype(rows)::value;
-    const int64_t safe = (n + R) * K + a <= N * K ? a : 0;  // the last group's prefetches stay in the weight
-    if (isa == 2) {
-      switch (P) {
-        case 1: avx512::dot<R, 1>(p, n, m, safe); break;
-        case 2: avx512::dot<R, 2>(p, n, m, safe); break;
-        case 3: avx512::dot<R, 3>(p, n, m, safe); break;
-        default: avx512::dot<R, 4>(p, n, m, safe); break;
-      }
-    } else {
-      switch (P) {
-        case 1: avx2::dot<R, 1>(p, n, m, safe); break;
-        default: avx2::dot<R, 2>(p, n, m, safe); break;
-      }
-    }
-  };
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) rows_pass<kGroupRows>(p, M, pass_rows, g * kGroupRows, ahead, run);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t ahead = g + 1 < groups ? kGroupRows * K : 0;  // the next group's rows, inside the weight
+      rows_against_x<kGroupRows>(p, g * kGroupRows, M, ahead, isa);
+    }
   });
-  for (int64_t n = groups * kGroupRows; n < N; ++n) rows_pass<1>(p, M, pass_rows, n, 0, run);
+  for (int64_t n = groups * kGroupRows; n < N; ++n) rows_against_x<1>(p, n, M, 0, isa);
   return out;
 }
 
