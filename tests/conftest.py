@@ -28,6 +28,15 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="module")
+def cpu_kernels():
+    """mrv2's C++ kernels, built and loaded for a module of kernel tests (which fail where they do not)."""
+    from mrv2.platforms.cpu_kernels import load_cpu_kernels
+
+    failed = load_cpu_kernels()
+    assert failed is None, failed
+
+
+@pytest.fixture(scope="module")
 def split_threads():
     """At least two intra-op threads for a module of kernel tests, so that work split over threads is
     tested on a worker pinned to one core too."""

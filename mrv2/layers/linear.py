@@ -103,8 +103,7 @@ class Linear(nn.Module):
     def use_dense_gemv(self, policy: DenseGemvPolicy) -> bool:
         """Run batches of up to `policy.max_rows` rows on the platform's dense GEMV; False where the weight
         is not a plain contiguous float32 one (quantized, packed, batch-invariant or another dtype)."""
-        w = self.weight
-        if w is None or self.int4 is not None or self.row_tile or w.dtype != torch.float32 or not w.is_contiguous():
+        if not plain_fp32(self.weight) or self.int4 is not None or self.row_tile:
             return False
         self.gemv = policy
         return True
@@ -153,6 +152,11 @@ class Linear(nn.Module):
 def pack_linears(module: nn.Module, rows_hint: int) -> int:
     """Prepack every packable dense `Linear` inside `module` for oneDNN (see `Linear.pack`); how many were."""
     return sum(m.pack(rows_hint) for m in module.modules() if isinstance(m, Linear))
+
+
+def plain_fp32(weight: torch.Tensor | None) -> bool:
+    """Whether `weight` is one the dense GEMV reads: a contiguous float32 tensor (not packed away)."""
+    return weight is not None and weight.dtype == torch.float32 and weight.is_contiguous()
 
 
 def use_dense_gemv(module: nn.Module, policy: DenseGemvPolicy) -> int:

@@ -27,7 +27,7 @@ from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.kv_spec import KVCacheSpec
 from mrv2.layers.batch_invariant import ROW_TILE, tiled_linear
 from mrv2.layers.embedding import VocabEmbedding
-from mrv2.layers.linear import Linear, TPSlice, dense_gemv, pack_linears, use_dense_gemv
+from mrv2.layers.linear import Linear, TPSlice, dense_gemv, pack_linears, plain_fp32, use_dense_gemv
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.packed import PACKED_DTYPES, pack_weight, packed_linear, packing_available
 from mrv2.layers.quantization import (BlockGemv, QuantizedMatmul, QuantizedWeight, place_in_one_buffer,
@@ -281,9 +281,8 @@ class CausalLM(nn.Module):
         """Run small batches of every plain float32 linear weight and of the LM head on the platform's dense
         GEMV (`layers/linear.py`); how many weights do. Call it after loading, instead of packing."""
         count = use_dense_gemv(self, policy)
-        head = self.lm_head_weight
-        if (head is not None and self.lm_head_int4 is None and self.lm_head_packed is None and not self.row_tile
-                and head.dtype == torch.float32 and head.is_contiguous()):
+        if (plain_fp32(self.lm_head_weight) and self.lm_head_int4 is None and self.lm_head_packed is None
+                and not self.row_tile):
             self.lm_head_gemv = policy
             count += 1
         return count

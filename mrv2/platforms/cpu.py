@@ -97,7 +97,7 @@ class CpuPlatform(Platform):
 
     def attention_backend_names(self, kind: str) -> tuple[str, ...]:
         names = super().attention_backend_names(kind)
-        if "cpp-paged" in names and (not self.gemv_isa() or load_cpu_kernels() is not None):
+        if "cpp-paged" in names and self.kernels_missing() is not None:
             return tuple(n for n in names if n != "cpp-paged")  # the kernel needs AVX2, FMA, F16C and a compiler
         return names
 
@@ -134,7 +134,7 @@ class CpuPlatform(Platform):
         dense = ("dense GEMMs above when a copy fits a quarter of free memory" if budget else
                  "and above (quantization='gguf': no dense copy)")
         isa = self.gemv_isa()
-        failed = load_cpu_kernels() if isa else "the CPU lacks AVX2, FMA or F16C"
+        failed = self.kernels_missing()
         gemm = self.gemm_isa() if failed is None and dtype == torch.bfloat16 else 0
         if gemm:
             rows = self.int4_max_rows_amx if gemm == 2 else self.int4_max_rows_bf16_gemm
@@ -192,12 +192,18 @@ class CpuPlatform(Platform):
     def gemm_isa(self) -> int:
         """The block GEMM's instruction set for bf16 batches in this process: 2 AMX (where the OS also grants
         the tile data), 1 AVX512-BF16 dot products, 0 none (dense GEMMs on a dequantized copy there)."""
-        if not self.gemv_isa() or load_cpu_kernels() is not None:
+        if self.kernels_missing() is not None:
             return 0
         if self.has_amx() and torch.ops.mrv2_gguf.amx_ready():
             return 2
         # Every CPU with AMX has AVX512-BF16: where its tiles are not granted, the dot products run.
         return 1 if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= self.flags else 0
+
+    def kernels_missing(self) -> str | None:
+        """Why mrv2's C++ kernels (`cpu_kernels/`) cannot run in this process; None: they are loaded."""
+        if not self.gemv_isa():
+            return "the CPU lacks AVX2, FMA or F16C"
+        return load_cpu_kernels()
 
     def load_quant_kernels(self, policy: QuantPolicy) -> None:
         if policy.gemv_isa and (failed := load_cpu_kernels()) is not None:
@@ -237,10 +243,8 @@ class CpuPlatform(Platform):
             return None, f"no dense GEMV for {str(dtype).removeprefix('torch.')} weights"
         if self.packs_fp32():
             return None, "fp32 weights are prepacked for oneDNN on this CPU (see packs_fp32)"
-        if not self.gemv_isa():
-            return None, "the CPU lacks AVX2, FMA or F16C"
-        if (failed := load_cpu_kernels()) is not None:
-            return None, f"mrv2's CPU kernels did not load: {failed}"
+        if (failed := self.kernels_missing()) is not None:
+            return None, f"mrv2's dense GEMV: {failed}"
         isa = 2 if "avx512f" in self.flags else 1
         return DenseGemvPolicy(isa, self.dense_gemv_max_rows), (
             f"mrv2's dense GEMV ({DENSE_GEMV_ISAS[isa]}) for {_up_to_rows(self.dense_gemv_max_rows)}, "

@@ -9,7 +9,6 @@ import torch
 from mrv2.config import QuantPolicy
 from mrv2.layers.quantization import BlockGemv, Int4Matmul, QuantizedWeight, block_gemv_supports, quantized_matmul
 from mrv2.platforms.cpu import GEMV_ISAS, CpuPlatform
-from mrv2.platforms.cpu_kernels import load_cpu_kernels
 from quant_helpers import quantized
 
 MACHINE_ISA = CpuPlatform().gemv_isa()
@@ -17,13 +16,7 @@ MACHINE_ISA = CpuPlatform().gemv_isa()
 ISAS = [isa for isa in GEMV_ISAS if isa <= MACHINE_ISA]
 
 pytestmark = [pytest.mark.skipif(not ISAS, reason="the block GEMV needs AVX2, FMA and F16C"),
-              pytest.mark.usefixtures("split_threads")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    failed = load_cpu_kernels()
-    assert failed is None, failed
+              pytest.mark.usefixtures("split_threads", "cpu_kernels")]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:

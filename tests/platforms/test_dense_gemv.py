@@ -10,20 +10,13 @@ import torch.nn.functional as F
 from mrv2.config import DenseGemvPolicy
 from mrv2.layers.linear import Linear
 from mrv2.platforms.cpu import DENSE_GEMV_ISAS, CpuPlatform
-from mrv2.platforms.cpu_kernels import load_cpu_kernels
 
 MACHINE = CpuPlatform()
 # Every instruction set this CPU runs (AVX-512 machines run the AVX2 code as well).
 ISAS = [isa for isa, flag in ((1, "avx2"), (2, "avx512f")) if MACHINE.gemv_isa() and flag in MACHINE.flags]
 
 pytestmark = [pytest.mark.skipif(not ISAS, reason="the dense GEMV needs AVX2, FMA and F16C"),
-              pytest.mark.usefixtures("split_threads")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    failed = load_cpu_kernels()
-    assert failed is None, failed
+              pytest.mark.usefixtures("split_threads", "cpu_kernels")]
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
