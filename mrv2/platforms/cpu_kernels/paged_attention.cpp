@@ -3,7 +3,8 @@
 //
 // A task is one request (or, with fewer requests than threads, one KV head of a request): every
 // query head scores each cached token's keys (read once, the heads that share a KV head in turn),
-// then sums the values weighted by its softmax, with the tokens ahead prefetched. Tasks are split
+// then sums the values weighted by its softmax, with the tokens ahead prefetched (the AVX-512 kernel
+// also fetches the next task's tokens while it computes, `NextRows`). Tasks are split
 // over torch's intra-op threads where there is enough work; a single short request runs on the
 // calling thread, where a parallel region would cost more than it saves.
 //
