@@ -23,7 +23,7 @@ from mrv2.config import DenseGemvPolicy, QuantPolicy
 from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.layers.batch_invariant import tiled_linear
 from mrv2.layers.packed import PACKED_DTYPES, PackedWeight
-from mrv2.layers.quantization import QuantizedMatmul, QuantizedWeight, quantized_matmul
+from mrv2.layers.quantization import BlockGemv, QuantizedMatmul, QuantizedWeight, quantized_matmul
 
 
 TPSlice = tuple[int, int, int]  # (dim, start, length) of a checkpoint tensor one rank reads
@@ -72,11 +72,22 @@ class Linear(nn.Module):
         y = self.tp.all_reduce(self._matmul(x, None))  # the bias once, after the sum
         return y if self.bias is None else y.add_(self.bias)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a [gate; up] layer in one kernel where its quantized kernel does that for this
+        batch (see `BlockGemv.silu_and_mul`); None elsewhere: the caller splits `forward(x)`."""
+        if (self.reduce or self.bias is not None or len(self.shard_sizes) != 2 or len(set(self.shard_sizes)) != 1
+                or not isinstance(self.int4, BlockGemv) or not self._on_int4(x)):
+            return None
+        return self.int4.silu_and_mul(x)
+
+    def _on_int4(self, x: torch.Tensor) -> bool:
+        dense = self.weight is not None or self.packed is not None
+        return self.int4 is not None and (not dense or x.numel() <= self.int4_max_rows * x.shape[-1])
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.row_tile:
             return tiled_linear(x, self.weight, bias, self.row_tile)
-        dense = self.weight is not None or self.packed is not None
-        if self.int4 is not None and (not dense or x.numel() <= self.int4_max_rows * x.shape[-1]):
+        if self._on_int4(x):
             y = self.int4(x)
             return y if bias is None else y.add_(bias)
         if self.gemv is not None and x.numel() <= self.gemv.max_rows * x.shape[-1]:

@@ -183,13 +183,19 @@ class GemmTiles:
 
         return cls(tiled.contiguous(), per_tile(weight.scales), None if mins is None else per_tile(mins), amx)
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x @ W^T for bf16 x: bf16 (rounded once), or float32 sums as they are where `out_dtype` says so."""
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
+        """x @ W^T for bf16 x: bf16 (rounded once), or float32 sums as they are where `out_dtype` says so.
+        `gated`: silu(first half of the columns) * second half instead (SwiGLU on a stacked gate/up weight),
+        from the same sums (bf16 out: each half rounded to bf16 first, as the unfused product is)."""
         if self.mins is None:
             q8 = torch.ops.mrv2_gguf.q8_gemm_amx if self.amx else torch.ops.mrv2_gguf.q8_gemm_bf16
-            return q8(x, self.codes, self.scales, out_dtype)
+            return q8(x, self.codes, self.scales, out_dtype, gated)
         q4 = torch.ops.mrv2_gguf.q4_gemm_amx if self.amx else torch.ops.mrv2_gguf.q4_gemm_bf16
-        return q4(x, self.codes, self.scales, self.mins, out_dtype)
+        return q4(x, self.codes, self.scales, self.mins, out_dtype, gated)
+
+    def gates(self) -> bool:
+        """Whether a gated product fits: the columns split into two halves of whole tiles."""
+        return self.codes.shape[0] % 2 == 0
 
     @property
     def nbytes(self) -> int:
@@ -229,13 +235,24 @@ class BlockGemv:
         """x @ W^T, in `out_dtype` where given (x's dtype or float32; else x's dtype): the kernels write
         float32 themselves, unrounded."""
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if self.tiles is not None and x2.shape[0] > self.gemv_rows and x2.dtype == torch.bfloat16:
+        if self._on_tiles(x2):
             y = self.tiles(x2, out_dtype)
         elif self.mins is None:
             y = torch.ops.mrv2_gguf.q8_gemv(x2, self.codes, self.scales, self.isa, out_dtype)
         else:
             y = torch.ops.mrv2_gguf.q4_gemv(x2, self.codes, self.scales, self.mins, self.isa, out_dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(x @ W_gate^T) * (x @ W_up^T) for W = [W_gate; W_up], in one pass where the batch runs on the block
+        GEMM (see `GemmTiles`); None where it does not (the caller multiplies and activates)."""
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if not self._on_tiles(x2) or not self.tiles.gates():
+            return None
+        return self.tiles(x2, gated=True).view(*x.shape[:-1], self.out_features // 2)
+
+    def _on_tiles(self, x2: torch.Tensor) -> bool:
+        return self.tiles is not None and x2.shape[0] > self.gemv_rows and x2.dtype == torch.bfloat16
 
     @property
     def nbytes(self) -> int:

@@ -1,13 +1,15 @@
 """The CPU platform's block GEMM (`mrv2/platforms/cpu_kernels/gguf_gemm.cpp`), on AMX and with AVX512-BF16 dot
 products: GGUF weights dequantized a tile at a time give the dense bf16 copy's product, eagerly and compiled;
-small batches keep the GEMV."""
+small batches keep the GEMV. A gated product gives SwiGLU of its two halves of columns."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mrv2.config import QuantPolicy
+from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.quantization import BlockGemv, GemmTiles, quantized_matmul
 from mrv2.platforms.cpu import GEMM_ISAS, CpuPlatform
 from quant_helpers import quantized
@@ -99,6 +101,58 @@ def test_compiled_code_calls_the_kernel(gemm_isa):
     x = torch.randn(16, 256, dtype=torch.bfloat16)
     compiled = torch.compile(lambda t: gemm(t) * 2, fullgraph=True, dynamic=False)
     assert torch.equal(compiled(x), gemm(x) * 2)
+
+
+def _swiglu(product: torch.Tensor) -> torch.Tensor:
+    """silu(first half) * second half of a product's columns, in float32 from its halves as they are."""
+    gate, up = product.float().chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [5, 12, 16, 17, 40, 64, 100])
+def test_gated_product_is_swiglu_of_the_products_halves(qtype, rows, gemm_isa):
+    # Four column tiles: gates in the first two, the values they gate in the last two (as gate_up_proj stacks them).
+    weight, _ = quantized(qtype, 64, 96, seed=rows)
+    gemm = BlockGemv(weight, PLATFORM.gemv_isa(), gemm_isa, gemv_rows=4)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16) * 2
+    fused = gemm.silu_and_mul(x)
+    assert fused.shape == (rows, 32)
+    _within_an_ulp(fused, _swiglu(gemm(x)).bfloat16())  # from the bf16 halves, rounded once
+    sums = gemm.tiles(x, torch.float32, gated=True)  # float32: from the sums as they are
+    want = _swiglu(gemm(x, torch.float32))
+    assert ((sums - want).abs() <= want.abs() * 2 ** -20 + want.abs().max() * 2 ** -24).all()
+
+
+def test_swiglu_runs_unfused_where_the_gemm_does_not_run(gemm_isa):
+    weight, _ = quantized("Q4_1", 64, 96, seed=2)
+    gemm = BlockGemv(weight, PLATFORM.gemv_isa(), gemm_isa, gemv_rows=4)
+    assert gemm.silu_and_mul(torch.randn(4, 96, dtype=torch.bfloat16)) is None  # the GEMV's batches
+    assert gemm.silu_and_mul(torch.randn(8, 96)) is None  # float32 activations
+    odd, _ = quantized("Q4_1", 48, 96)  # three column tiles do not halve
+    assert BlockGemv(odd, PLATFORM.gemv_isa(), gemm_isa).silu_and_mul(torch.randn(8, 96, dtype=torch.bfloat16)) is None
+    tiles = BlockGemv(odd, PLATFORM.gemv_isa(), gemm_isa).tiles
+    with pytest.raises(RuntimeError, match="even number of 16-column tiles"):
+        tiles(torch.randn(16, 96, dtype=torch.bfloat16), gated=True)
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_gated_mlp_runs_swiglu_in_the_gate_up_kernel(rows, gemm_isa):
+    torch.manual_seed(rows)
+    mlp = GatedMLP(96, 48, bias=False, dtype=torch.bfloat16)
+    for i in (0, 1):
+        mlp.gate_up_proj.load_shard(mlp.gate_up_proj.weight, i, quantized("Q4_1", 48, 96, seed=10 + i)[0])
+    mlp.down_proj.weight.data.copy_(torch.randn(96, 48) / 8)
+    mlp.gate_up_proj.finalize_quantization(QuantPolicy(int4_max_rows=4, gemv_isa=PLATFORM.gemv_isa(),
+                                                       gemm_isa=gemm_isa), keep_dense=False)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    fused = mlp.gate_up_proj.silu_and_mul(x)
+    assert (fused is None) == (rows <= 4)  # three rows stay on the GEMV, unfused
+    want = mlp.down_proj(_swiglu(mlp.gate_up_proj(x)).bfloat16())
+    got = mlp(x)
+    assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -6
+    compiled = torch.compile(mlp, fullgraph=True, dynamic=False)(x)  # the fused kernel traces too
+    assert (compiled.float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -6
 
 
 def test_bad_operands_name_the_problem(gemm_isa):

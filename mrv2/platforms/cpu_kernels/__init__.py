@@ -47,6 +47,11 @@ def load_cpu_kernels() -> str | None:
     return None
 
 
+def _gemm_out(x: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype | None, gated: bool) -> torch.Tensor:
+    columns = scales.shape[0] * scales.shape[2]  # a gated product's out: silu(first half) * second half
+    return x.new_empty(x.shape[0], columns // 2 if gated else columns, dtype=out_dtype or x.dtype)
+
+
 def _register_fakes() -> None:
     """Output shapes for tracing (torch.compile), in the input's dtype (the GEMVs': `out_dtype` where given)."""
     @torch.library.register_fake("mrv2_gguf::q4_gemv")
@@ -59,12 +64,12 @@ def _register_fakes() -> None:
 
     for engine in ("amx", "bf16"):
         @torch.library.register_fake(f"mrv2_gguf::q4_gemm_{engine}")
-        def _q4_gemm(x, codes, scales, mins, out_dtype=None):
-            return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2], dtype=out_dtype or x.dtype)
+        def _q4_gemm(x, codes, scales, mins, out_dtype=None, gated=False):
+            return _gemm_out(x, scales, out_dtype, gated)
 
         @torch.library.register_fake(f"mrv2_gguf::q8_gemm_{engine}")
-        def _q8_gemm(x, codes, scales, out_dtype=None):
-            return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2], dtype=out_dtype or x.dtype)
+        def _q8_gemm(x, codes, scales, out_dtype=None, gated=False):
+            return _gemm_out(x, scales, out_dtype, gated)
 
     @torch.library.register_fake("mrv2::dense_gemv")
     def _dense_gemv(x, weight, bias, isa):

@@ -130,6 +130,65 @@ inline void store_sums(const float* sums, int64_t rows, float* out, int64_t N, i
   for (int64_t i = 0; i < rows; ++i) _mm512_storeu_ps(out + (m + i) * N + n, _mm512_loadu_ps(sums + 16 * i));
 }
 
+// exp(x) for fp32 lanes, within 1 ulp: e^x = 2^n e^r with n = round(x log2 e) and r = x - n ln 2 (ln 2 in
+// two parts, so r keeps its low bits), e^r in [-ln 2 / 2, ln 2 / 2] by its Taylor series to degree 7, scaled
+// by vscalefps. Cheaper than SLEEF's exp, which Inductor's SwiGLU kernel spent most of its time in.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.4286068202862268e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(g) * u = g / (1 + e^-g) * u.
+inline __m512 silu_times(__m512 g, __m512 u) {
+  const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+}
+
+inline __m512 bf16_rounded(__m512 v) {
+  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// SwiGLU of a gate tile's and an up tile's sums (16 x 16 fp32 each) to rows [m, m + rows) of `out` at
+// column n: silu(gate) * up. For bf16 out, gate and up are rounded to bf16 first, as the unfused
+// product hands them to the activation, which computes in fp32 and rounds once.
+inline void store_gated(const float* gates, const float* ups, int64_t rows, at::BFloat16* out, int64_t N, int64_t m,
+                        int64_t n) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512 v = silu_times(bf16_rounded(_mm512_loadu_ps(gates + 16 * i)), bf16_rounded(_mm512_loadu_ps(ups + 16 * i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + i) * N + n), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
+}
+inline void store_gated(const float* gates, const float* ups, int64_t rows, float* out, int64_t N, int64_t m, int64_t n) {
+  for (int64_t i = 0; i < rows; ++i) {
+    _mm512_storeu_ps(out + (m + i) * N + n, silu_times(_mm512_loadu_ps(gates + 16 * i), _mm512_loadu_ps(ups + 16 * i)));
+  }
+}
+
+// Which column tiles a unit of work multiplies together. A plain product takes neighbours (t, t + 1), then
+// (t + 2, t + 3). A gated one (`gated` > 0) takes column t of the first half of the weight's columns
+// (SwiGLU's gates) with column t + gated of the second (the values they gate, as `gate_up_proj` stacks
+// them), then t + 1, and writes silu(gate) * up: [rows, gated * 16] instead of [rows, N].
+struct ColumnPairs {
+  int64_t gated;  // tiles in each half of a gated weight; 0: a plain product
+
+  int64_t partner() const { return gated ? gated : 1; }  // from a pair's first column tile to its second
+  int64_t step() const { return gated ? 1 : 2; }         // from one pair's first column tile to the next's
+  bool two(int64_t t, int64_t t1) const { return gated || t + 1 < t1; }
+};
+
 // out[:, column tiles [t0, t1)] for x [M, K] (M a multiple of 16; the first `rows` are real). Two
 // column tiles at a time, all K of them dequantized into one half of `scratch` while the tile unit
 // multiplies the previous pair's (in the other half) by two row tiles of x at a time: the vector
@@ -138,28 +197,28 @@ inline void store_sums(const float* sums, int64_t rows, float* out, int64_t N, i
 template <bool kQ4, typename Out>
 void gemm_columns(const at::BFloat16* x, int64_t M, int64_t rows, int64_t K, const uint8_t* codes,
                   const uint16_t* d16, const uint16_t* m16, Out* out, int64_t N, int64_t t0, int64_t t1,
-                  uint16_t* scratch) {
+                  ColumnPairs pairs, uint16_t* scratch) {
   constexpr int64_t kTileBytes = kQ4 ? kTileElems / 2 : kTileElems;
   const int64_t kt = K / kTileK, x_stride = K * static_cast<int64_t>(sizeof(at::BFloat16));
   const int64_t half = 2 * kt * kTileElems;
-  // Weight tile j of the column pair starting at t: column t + j / kt, features (j % kt) * 32 on; the
-  // codes hold a column's tiles after the previous column's.
+  // Weight tile j of the column pair starting at t: features (j % kt) * 32 on of its first column (j < kt)
+  // or its second; the codes hold a column's tiles after the previous column's.
   auto dequantize = [&](int64_t t, int64_t j, uint16_t* dst) {
-    const int64_t tile = t * kt + j;
+    const int64_t tile = (j < kt ? t : t + pairs.partner()) * kt + j % kt;
     dequantize_tile<kQ4>(codes + tile * kTileBytes, d16 + tile * kTileN, kQ4 ? m16 + tile * kTileN : nullptr,
                          dst + j * kTileElems);
   };
-  auto tiles_of = [&](int64_t t) { return t < t1 ? std::min<int64_t>(2, t1 - t) * kt : 0; };
+  auto tiles_of = [&](int64_t t) { return t < t1 ? (pairs.two(t, t1) ? 2 : 1) * kt : 0; };
   for (int64_t j = 0; j < tiles_of(t0); ++j) dequantize(t0, j, scratch);
   alignas(64) float sums[4][kTileM * kTileN];
   configure_tiles();
   const int64_t steps = (M + 2 * kTileM - 1) / (2 * kTileM) * kt;  // tile-unit steps of a pair
-  for (int64_t t = t0, pass = 0; t < t1; t += 2, ++pass) {
-    const bool two_cols = t + 1 < t1;
+  for (int64_t t = t0, pass = 0; t < t1; t += pairs.step(), ++pass) {
+    const bool two_cols = pairs.two(t, t1);
     const uint16_t* b0 = scratch + (pass % 2) * half;
     const uint16_t* b1 = b0 + kt * kTileElems;
     uint16_t* next = scratch + (1 - pass % 2) * half;
-    const int64_t todo = tiles_of(t + 2);
+    const int64_t todo = tiles_of(t + pairs.step());
     int64_t done = 0, owed = 0;  // the next pair's tiles dequantized; those owed, in 1 / steps of a tile
     for (int64_t m = 0; m < M; m += 2 * kTileM) {
       const bool two_rows = m + kTileM < M;
@@ -182,7 +241,7 @@ void gemm_columns(const at::BFloat16* x, int64_t M, int64_t rows, int64_t K, con
           _tile_dpbf16ps(1, 4, 7);
           if (two_rows) _tile_dpbf16ps(3, 5, 7);
         }
-        for (owed += todo; owed >= steps; owed -= steps) dequantize(t + 2, done++, next);
+        for (owed += todo; owed >= steps; owed -= steps) dequantize(t + pairs.step(), done++, next);
       }
       _tile_stored(0, sums[0], 64);
       _tile_stored(1, sums[1], 64);
@@ -190,6 +249,11 @@ void gemm_columns(const at::BFloat16* x, int64_t M, int64_t rows, int64_t K, con
       _tile_stored(3, sums[3], 64);
       const int64_t n = t * kTileN;
       const int64_t r0 = std::clamp<int64_t>(rows - m, 0, kTileM), r1 = std::clamp<int64_t>(rows - m - kTileM, 0, kTileM);
+      if (pairs.gated) {
+        store_gated(sums[0], sums[1], r0, out, N, m, n);
+        if (two_rows) store_gated(sums[2], sums[3], r1, out, N, m + kTileM, n);
+        continue;
+      }
       store_sums(sums[0], r0, out, N, m, n);
       if (two_cols) store_sums(sums[1], r0, out, N, m, n + kTileN);
       if (two_rows) {
@@ -206,7 +270,7 @@ void gemm_columns(const at::BFloat16* x, int64_t M, int64_t rows, int64_t K, con
 // lane and one vdpbf16ps per column tile, 2R accumulators held in registers (R <= 12 of 32).
 template <int R, typename Out>
 inline void dot_rows(const at::BFloat16* x, int64_t K, int64_t kt, const uint16_t* b0, const uint16_t* b1,
-                     bool two_cols, Out* out, int64_t N, int64_t m, int64_t n) {
+                     bool two_cols, bool gated, Out* out, int64_t N, int64_t m, int64_t n) {
   __m512 acc0[R], acc1[R];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
@@ -225,10 +289,15 @@ inline void dot_rows(const at::BFloat16* x, int64_t K, int64_t kt, const uint16_
       acc1[i] = _mm512_dpbf16_ps(acc1[i], a, v1);
     }
   }
-  alignas(64) float sums[16];
+  alignas(64) float sums[16], ups[16];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
     _mm512_store_ps(sums, acc0[i]);
+    if (gated) {
+      _mm512_store_ps(ups, acc1[i]);
+      store_gated(sums, ups, 1, out, N, m + i, n);
+      continue;
+    }
     store_sums(sums, 1, out, N, m + i, n);
     if (two_cols) {
       _mm512_store_ps(sums, acc1[i]);
@@ -244,15 +313,16 @@ constexpr int64_t kDotRows = 12;  // rows of x a dot_rows pass takes at most: 24
 // overlap), then multiplied by blocks of rows.
 template <bool kQ4, typename Out>
 void gemm_columns_bf16(const at::BFloat16* x, int64_t rows, int64_t K, const uint8_t* codes, const uint16_t* d16,
-                       const uint16_t* m16, Out* out, int64_t N, int64_t t0, int64_t t1, uint16_t* scratch) {
+                       const uint16_t* m16, Out* out, int64_t N, int64_t t0, int64_t t1, ColumnPairs pairs,
+                       uint16_t* scratch) {
   constexpr int64_t kTileBytes = kQ4 ? kTileElems / 2 : kTileElems;
   const int64_t kt = K / kTileK;
   // Row blocks of even size (16 rows: two of 8, not 12 and 4).
   const int64_t blocks = (rows + kDotRows - 1) / kDotRows, per = (rows + blocks - 1) / blocks;
-  for (int64_t t = t0; t < t1; t += 2) {
-    const bool two_cols = t + 1 < t1;
+  for (int64_t t = t0; t < t1; t += pairs.step()) {
+    const bool two_cols = pairs.two(t, t1);
     for (int64_t j = 0; j < (two_cols ? 2 : 1) * kt; ++j) {
-      const int64_t tile = t * kt + j;  // a column's tiles follow the previous column's
+      const int64_t tile = (j < kt ? t : t + pairs.partner()) * kt + j % kt;  // a column's tiles follow the previous column's
       dequantize_tile<kQ4>(codes + tile * kTileBytes, d16 + tile * kTileN, kQ4 ? m16 + tile * kTileN : nullptr,
                            scratch + j * kTileElems);
     }
@@ -261,7 +331,7 @@ void gemm_columns_bf16(const at::BFloat16* x, int64_t rows, int64_t K, const uin
       switch (std::min(per, rows - m)) {
 #define MRV2_DOT_ROWS(r) \
   case r:                \
-    dot_rows<r>(x, K, kt, scratch, b1, two_cols, out, N, m, t * kTileN); \
+    dot_rows<r>(x, K, kt, scratch, b1, two_cols, pairs.gated, out, N, m, t * kTileN); \
     break;
         MRV2_DOT_ROWS(1) MRV2_DOT_ROWS(2) MRV2_DOT_ROWS(3) MRV2_DOT_ROWS(4) MRV2_DOT_ROWS(5) MRV2_DOT_ROWS(6)
         MRV2_DOT_ROWS(7) MRV2_DOT_ROWS(8) MRV2_DOT_ROWS(9) MRV2_DOT_ROWS(10) MRV2_DOT_ROWS(11) MRV2_DOT_ROWS(12)
@@ -294,8 +364,12 @@ void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale
 
 template <bool kQ4, typename Out>
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const uint16_t* mins,
-                bool amx) {
-  const int64_t rows = x_in.size(0), K = x_in.size(1), tiles = codes.size(0), N = tiles * kTileN;
+                bool amx, bool gated) {
+  const int64_t rows = x_in.size(0), K = x_in.size(1), tiles = codes.size(0);
+  TORCH_CHECK(!gated || tiles % 2 == 0, "a gated product needs an even number of 16-column tiles (gates, then the "
+              "values they gate), got ", tiles);
+  const ColumnPairs pairs{gated ? tiles / 2 : 0};
+  const int64_t N = (gated ? tiles / 2 : tiles) * kTileN;  // out's columns
   // AMX multiplies whole tiles of 16 rows: zeros below the real rows.
   const int64_t M = amx ? (rows + kTileM - 1) / kTileM * kTileM : rows;
   at::Tensor x = x_in;
@@ -310,17 +384,17 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tenso
   const auto* d16 = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   auto* o = out.data_ptr<Out>();
   // Pairs of column tiles are the unit of work: each dequantizes its weights once.
-  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, gated ? tiles / 2 : (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     // A column pair's tiles (AMX: two halves, one dequantized while the other is multiplied), written
     // before they are read; kept from call to call (a fresh buffer of a few hundred KB is mapped and
     // faulted in on every call).
     thread_local std::vector<uint16_t> scratch;
     scratch.resize(std::max<size_t>(scratch.size(), 4 * (K / kTileK) * kTileElems));
-    const int64_t t0 = 2 * p0, t1 = std::min(2 * p1, tiles);
+    const int64_t t0 = gated ? p0 : 2 * p0, t1 = gated ? p1 : std::min(2 * p1, tiles);
     if (amx) {
-      gemm_columns<kQ4, Out>(xp, M, rows, K, c, d16, mins, o, N, t0, t1, scratch.data());
+      gemm_columns<kQ4, Out>(xp, M, rows, K, c, d16, mins, o, N, t0, t1, pairs, scratch.data());
     } else {
-      gemm_columns_bf16<kQ4, Out>(xp, rows, K, c, d16, mins, o, N, t0, t1, scratch.data());
+      gemm_columns_bf16<kQ4, Out>(xp, rows, K, c, d16, mins, o, N, t0, t1, pairs, scratch.data());
     }
   });
   return out;
@@ -334,37 +408,37 @@ bool fp32_out(std::optional<at::ScalarType> out_dtype) {
 }
 
 at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                   std::optional<at::ScalarType> out_dtype, bool amx) {
+                   std::optional<at::ScalarType> out_dtype, bool gated, bool amx) {
   check(x, codes, scales, kTileElems / 2, at::kByte, amx);
   TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous(),
               "mins must be shaped and typed like scales");
   const auto* m16 = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  return fp32_out(out_dtype) ? gemm<true, float>(x, codes, scales, m16, amx)
-                             : gemm<true, at::BFloat16>(x, codes, scales, m16, amx);
+  return fp32_out(out_dtype) ? gemm<true, float>(x, codes, scales, m16, amx, gated)
+                             : gemm<true, at::BFloat16>(x, codes, scales, m16, amx, gated);
 }
 
 at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                   std::optional<at::ScalarType> out_dtype, bool amx) {
+                   std::optional<at::ScalarType> out_dtype, bool gated, bool amx) {
   check(x, codes, scales, kTileElems, at::kChar, amx);
-  return fp32_out(out_dtype) ? gemm<false, float>(x, codes, scales, nullptr, amx)
-                             : gemm<false, at::BFloat16>(x, codes, scales, nullptr, amx);
+  return fp32_out(out_dtype) ? gemm<false, float>(x, codes, scales, nullptr, amx, gated)
+                             : gemm<false, at::BFloat16>(x, codes, scales, nullptr, amx, gated);
 }
 
 at::Tensor q4_gemm_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                       std::optional<at::ScalarType> out_dtype) {
-  return q4_gemm(x, codes, scales, mins, out_dtype, true);
+                       std::optional<at::ScalarType> out_dtype, bool gated) {
+  return q4_gemm(x, codes, scales, mins, out_dtype, gated, true);
 }
 at::Tensor q8_gemm_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                       std::optional<at::ScalarType> out_dtype) {
-  return q8_gemm(x, codes, scales, out_dtype, true);
+                       std::optional<at::ScalarType> out_dtype, bool gated) {
+  return q8_gemm(x, codes, scales, out_dtype, gated, true);
 }
 at::Tensor q4_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const at::Tensor& mins, std::optional<at::ScalarType> out_dtype) {
-  return q4_gemm(x, codes, scales, mins, out_dtype, false);
+                        const at::Tensor& mins, std::optional<at::ScalarType> out_dtype, bool gated) {
+  return q4_gemm(x, codes, scales, mins, out_dtype, gated, false);
 }
 at::Tensor q8_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        std::optional<at::ScalarType> out_dtype) {
-  return q8_gemm(x, codes, scales, out_dtype, false);
+                        std::optional<at::ScalarType> out_dtype, bool gated) {
+  return q8_gemm(x, codes, scales, out_dtype, gated, false);
 }
 
 bool amx_ready() { return request_amx(); }
@@ -372,10 +446,13 @@ bool amx_ready() { return request_amx(); }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mrv2_gguf, m) {
-  m.def("q4_gemm_amx(Tensor x, Tensor codes, Tensor scales, Tensor mins, ScalarType? out_dtype=None) -> Tensor");
-  m.def("q8_gemm_amx(Tensor x, Tensor codes, Tensor scales, ScalarType? out_dtype=None) -> Tensor");
-  m.def("q4_gemm_bf16(Tensor x, Tensor codes, Tensor scales, Tensor mins, ScalarType? out_dtype=None) -> Tensor");
-  m.def("q8_gemm_bf16(Tensor x, Tensor codes, Tensor scales, ScalarType? out_dtype=None) -> Tensor");
+  // gated: SwiGLU of the product's two halves of columns (gates, then the values they gate), see ColumnPairs.
+  m.def("q4_gemm_amx(Tensor x, Tensor codes, Tensor scales, Tensor mins, ScalarType? out_dtype=None, "
+        "bool gated=False) -> Tensor");
+  m.def("q8_gemm_amx(Tensor x, Tensor codes, Tensor scales, ScalarType? out_dtype=None, bool gated=False) -> Tensor");
+  m.def("q4_gemm_bf16(Tensor x, Tensor codes, Tensor scales, Tensor mins, ScalarType? out_dtype=None, "
+        "bool gated=False) -> Tensor");
+  m.def("q8_gemm_bf16(Tensor x, Tensor codes, Tensor scales, ScalarType? out_dtype=None, bool gated=False) -> Tensor");
   m.def("amx_ready() -> bool", &amx_ready);
 }
 
