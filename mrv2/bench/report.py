@@ -15,7 +15,8 @@ def engines_of(results: dict[str, dict]) -> list[str]:
 
 
 def table(results: dict[str, dict], baseline: str) -> str:
-    """Markdown table: one row per batch size, tok/s of each engine and `baseline`'s ratio over each other."""
+    """Markdown table: one row per batch size, tok/s of each engine and `baseline`'s ratio over each other
+    (for mrv2 over a peer timed in turn with it, the median of the per-pair ratios)."""
     engines = engines_of(results)
     peers = [e for e in engines if e != baseline]
     head = ["batch", *(f"{e} tok/s" for e in engines), *(f"{baseline}/{p}" for p in peers)]
@@ -23,9 +24,16 @@ def table(results: dict[str, dict], baseline: str) -> str:
     for b, result in results.items():
         tok = {e: result[e]["output_tok_s"] if e in result else None for e in engines}
         cells = [b, *(f"{t:.1f}" if t else "-" for t in tok.values())]
-        cells += [f"{tok[baseline] / tok[p]:.2f}x" if tok.get(baseline) and tok[p] else "-" for p in peers]
+        cells += [_ratio(result, baseline, p, tok) for p in peers]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _ratio(result: dict, baseline: str, peer: str, tok: dict) -> str:
+    paired = result[peer].get("ratio_mrv2_over_peer") if baseline == "mrv2" and peer in result else None
+    if paired is not None:
+        return f"{paired:.2f}x"
+    return f"{tok[baseline] / tok[peer]:.2f}x" if tok.get(baseline) and tok[peer] else "-"
 
 
 def plot(results: dict[str, dict], path: str | Path, title: str) -> None:

@@ -4,10 +4,14 @@ Prompts are random token ids of a fixed length (seeded), generation is greedy wi
 `ignore_eos`, so every engine does exactly the same work. Each batch size of
 `--batch-sizes` is one workload (all its prompts submitted at once).
 
-- `--compare hf,llama.cpp` (either or both): the same workload through transformers
+- `--compare hf,llama.cpp,vllm` (any of them): the same workload through transformers
   `generate` (fp32, one batch without padding) and through llama.cpp on the same GGUF
   with the same threads (`llama-cpp-python`, the optional `llama` extra; skipped with a
-  message when it is not installed), in this process, mrv2 in a process of its own; a table of output tok/s and
+  message when it is not installed), both in this process, and through vLLM in the
+  engine's dtype, in vLLM's own environment (`--vllm-python`, see `mrv2.bench.vllm_peer`;
+  skipped with a message when none is named); mrv2 in a process of its own. Every engine
+  stays loaded and the timed runs take turns (the order alternates every repeat), so a
+  ratio is the median of per-pair ratios of runs seconds apart. A table of output tok/s and
   mrv2's ratio over each engine per batch size, and with `--plot` a PNG of the same.
 - `--compare async`: two engines, async scheduling on and off, each in a process of
   its own (in one process their thread pools would contend for the cores), timed in
@@ -65,18 +69,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--compare", default=None,
-                   help="comma-separated: hf (transformers generate), llama.cpp (llama-cpp-python on the same GGUF); "
+                   help="comma-separated: hf (transformers generate), llama.cpp (llama-cpp-python on the same GGUF), "
+                        "vllm (vLLM in the environment --vllm-python names); "
                         "or async alone (async scheduling on vs off), tp alone (--tensor-parallel-size vs 1), "
                         "attention alone (decode attention in place vs gathered), or graphs alone (graph settings "
                         "vs eager)")
     p.add_argument("--repeat", type=int, default=1, help="timed runs of each engine (the median is reported)")
     p.add_argument("--structured", choices=["json"], default=None,
                    help="time every workload unconstrained and constrained to a JSON schema, side by side")
+    p.add_argument("--vllm-python", default=None,
+                   help="--compare vllm: the python of vLLM's own environment (default: $MRV2_VLLM_PYTHON)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--plot", default=None, help="also draw output tok/s against batch size per engine to this PNG")
 
 
-PEERS = ("hf", "llama.cpp")
+PEERS = ("hf", "llama.cpp", "vllm")
 
 
 def _compared(args: argparse.Namespace) -> list[str]:
@@ -118,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
 
     sizes = _batch_sizes(args)
     compare = _compared(args)
+    if "vllm" in compare:
+        from mrv2.bench.vllm_peer import find_python
+
+        find_python(args.vllm_python)  # a bad path fails before any engine loads
     kwargs = engine_kwargs(args)
     if compare and compare[0] in SELF_PAIRS:
         engines = {name: IsolatedEngine(kwargs | options) for name, options in SELF_PAIRS[compare[0]](kwargs)}
@@ -151,7 +162,8 @@ def _measure(args: argparse.Namespace, sizes: list[int], compare: list[str], eng
     info = next(iter(engines.values())).info
     threads = info.threads
     peers = {"hf": HfPeer(info.model_path, threads) if "hf" in compare else None,
-             "llama.cpp": _llama_cpp_peer(args, threads) if "llama.cpp" in compare else None}
+             "llama.cpp": _llama_cpp_peer(args, threads) if "llama.cpp" in compare else None,
+             "vllm": _vllm_peer(args, info) if "vllm" in compare else None}
     peers = {name: peer for name, peer in peers.items() if peer is not None}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     workload = (f"batch {', '.join(map(str, sizes))} x {args.input_len} input tokens -> {args.output_len} "
@@ -165,11 +177,17 @@ def _measure(args: argparse.Namespace, sizes: list[int], compare: list[str], eng
         total_out = b * args.output_len
         for engine in engines.values():  # warm-up
             engine.timed_generate(prompts[: min(4, b)], SamplingParams(temperature=0.0, max_tokens=4))
+        for peer in peers.values():
+            peer.generate(prompts[: min(4, b)], 4)
         runs = {name: [] for name in engines}
-        for rep in range(args.repeat):
-            order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+        peer_runs: dict[str, list[tuple[float, list[list[int]]]]] = {name: [] for name in peers}
+        for rep in range(args.repeat):  # every engine in turn, the order alternating
+            order = [*engines, *peers] if rep % 2 == 0 else [*reversed(peers), *reversed(engines)]
             for name in order:
-                runs[name].append(engines[name].timed_generate(prompts, params))
+                if name in engines:
+                    runs[name].append(engines[name].timed_generate(prompts, params))
+                else:
+                    peer_runs[name].append(peers[name].generate(prompts, args.output_len))
         result: dict = {}
         for name, samples in runs.items():
             t = float(np.median([r.seconds for r in samples]))
@@ -190,13 +208,17 @@ def _measure(args: argparse.Namespace, sizes: list[int], compare: list[str], eng
             print(f"batch {b:3d} ratio {first}/{second} throughput: {ratio:.3f}x (median of {args.repeat} pairs, "
                   f"{where}identical greedy completions: {same}/{b})")
         ours = runs["mrv2"][-1].token_ids if "mrv2" in runs else []
-        for name, peer in peers.items():
-            peer_result = result[name] = _time_peer(peer, prompts, args)
-            peer_result["identical_completions"] = sum(a == p for a, p in zip(ours, peer_result.pop("outputs")))
+        for name, samples in peer_runs.items():
+            t = float(np.median([s for s, _ in samples]))
+            pair_ratios = [s / r.seconds for (s, _), r in zip(samples, runs["mrv2"])]
+            peer_result = result[name] = {
+                "seconds": t, "output_tok_s": total_out / t, "pair_ratios": pair_ratios,
+                "ratio_mrv2_over_peer": float(np.median(pair_ratios)),
+                "identical_completions": sum(a == p for a, p in zip(ours, samples[-1][1]))}
             print(f"batch {b:3d} {name:9s}: {peer_result['output_tok_s']:8.1f} output tok/s  total "
-                  f"{peer_result['seconds']:6.2f} s  ratio mrv2/{name}: "
-                  f"{peer_result['seconds'] / result['mrv2']['seconds']:.2f}x  (identical greedy completions: "
-                  f"{peer_result['identical_completions']}/{b})")
+                  f"{t:6.2f} s  ratio mrv2/{name}: {peer_result['ratio_mrv2_over_peer']:.2f}x (median of "
+                  f"{len(pair_ratios)} pairs; {min(pair_ratios):.2f}-{max(pair_ratios):.2f})  (identical greedy "
+                  f"completions: {peer_result['identical_completions']}/{b})")
         results[str(b)] = result
     for peer in peers.values():
         peer.close()
@@ -228,12 +250,19 @@ def _llama_cpp_peer(args: argparse.Namespace, threads: int):
     return llama_cpp.LlamaCppPeer(gguf, threads)
 
 
-def _time_peer(peer, prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    """Median seconds and tok/s of `peer` on the workload, after a warm-up; its last outputs."""
-    peer.generate(prompts[:4], 4)
-    runs = [peer.generate(prompts, args.output_len) for _ in range(args.repeat)]
-    t = float(np.median([s for s, _ in runs]))
-    return {"seconds": t, "output_tok_s": len(prompts) * args.output_len / t, "outputs": runs[-1][1]}
+def _vllm_peer(args: argparse.Namespace, info):
+    """The vLLM peer on the engine's checkpoint folder and dtype, or None (with the reason printed)."""
+    from mrv2.bench import vllm_peer
+
+    python = vllm_peer.find_python(args.vllm_python)
+    if python is None:
+        print(vllm_peer.MISSING)
+        return None
+    max_model_len = max(256, args.input_len + args.output_len + 16)
+
+    dtype = str(info.dtype).removeprefix("torch.")  # vLLM names dtypes as strings
+    print(f"vllm: {python}, {info.model_path}, {dtype}, {info.threads} threads")
+    return vllm_peer.VllmPeer(python, info.model_path, dtype, info.threads, max_model_len)
 
 
 class HfPeer:

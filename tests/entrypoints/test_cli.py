@@ -147,10 +147,27 @@ def test_bench_throughput_compare_llama_cpp_with_plot(tmp_path: Path):
         assert all(set(res) == {"mrv2"} for res in results.values())
 
 
-@pytest.mark.parametrize("compare, problem", [("vllm", "unknown engine 'vllm'"),
-                                              ("async,hf", "does not combine")])
+def test_bench_throughput_compare_vllm(tmp_path: Path):
+    """vLLM in its own environment when one is named ($MRV2_VLLM_PYTHON); a clear skip message otherwise."""
+    from mrv2.bench import vllm_peer
+
+    out = tmp_path / "bench.json"
+    r = run("bench", "throughput", "--num-prompts", "3", "--input-len", "8", "--output-len", "6", "--compare", "vllm",
+            "--repeat", "2", "--json", str(out), "--max-model-len", "256", "--enforce-eager", exact=False)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())["results"]["3"]
+    if vllm_peer.find_python(None) is None:
+        assert vllm_peer.MISSING in r.stdout and set(result) == {"mrv2"}
+    else:
+        assert result["vllm"]["output_tok_s"] > 0 and len(result["vllm"]["pair_ratios"]) == 2
+        assert "ratio mrv2/vllm" in r.stdout and "mrv2/vllm |" in r.stdout
+
+
+@pytest.mark.parametrize("compare, problem", [("sglang", "unknown engine 'sglang'"),
+                                              ("async,hf", "does not combine"),
+                                              ("vllm --vllm-python /no/such/python", "/no/such/python is not a file")])
 def test_bench_throughput_rejects_bad_compare(compare, problem):
-    r = run("bench", "throughput", "--num-prompts", "1", "--compare", compare)
+    r = run("bench", "throughput", "--num-prompts", "1", "--compare", *compare.split())
     assert r.returncode != 0 and problem in r.stderr
 
 
