@@ -127,40 +127,28 @@ def test_bench_throughput_compare_hf(tmp_path: Path):
     assert result["mrv2"]["output_tok_s"] > 0 and result["hf"]["output_tok_s"] > 0
 
 
-def test_bench_throughput_compare_llama_cpp_with_plot(tmp_path: Path):
-    """llama.cpp on the same GGUF when llama-cpp-python is installed; a clear skip message otherwise."""
-    from mrv2.bench import llama_cpp
+def test_bench_throughput_compare_llama_cpp_and_vllm_with_plot(tmp_path: Path):
+    """llama.cpp on the same GGUF when llama-cpp-python is installed, vLLM in its own environment when one is
+    named ($MRV2_VLLM_PYTHON); a clear skip message for each otherwise."""
+    from mrv2.bench import llama_cpp, vllm_peer
 
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     r = run("bench", "throughput", "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "6", "--compare",
-            "llama.cpp", "--json", str(out), "--plot", str(png), "--max-model-len", "256", "--enforce-eager", exact=False)
+            "llama.cpp,vllm", "--repeat", "2", "--json", str(out), "--plot", str(png), "--max-model-len", "256",
+            "--enforce-eager", exact=False)
     assert r.returncode == 0, r.stderr
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"1", "3"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    if llama_cpp.available():
-        for b, res in results.items():
-            assert res["llama.cpp"]["output_tok_s"] > 0 and 0 <= res["llama.cpp"]["identical_completions"] <= int(b)
-        assert "mrv2/llama.cpp" in r.stdout
-    else:
-        assert llama_cpp.MISSING in r.stdout
-        assert all(set(res) == {"mrv2"} for res in results.values())
-
-
-def test_bench_throughput_compare_vllm(tmp_path: Path):
-    """vLLM in its own environment when one is named ($MRV2_VLLM_PYTHON); a clear skip message otherwise."""
-    from mrv2.bench import vllm_peer
-
-    out = tmp_path / "bench.json"
-    r = run("bench", "throughput", "--num-prompts", "3", "--input-len", "8", "--output-len", "6", "--compare", "vllm",
-            "--repeat", "2", "--json", str(out), "--max-model-len", "256", "--enforce-eager", exact=False)
-    assert r.returncode == 0, r.stderr
-    result = json.loads(out.read_text())["results"]["3"]
-    if vllm_peer.find_python(None) is None:
-        assert vllm_peer.MISSING in r.stdout and set(result) == {"mrv2"}
-    else:
-        assert result["vllm"]["output_tok_s"] > 0 and len(result["vllm"]["pair_ratios"]) == 2
-        assert "ratio mrv2/vllm" in r.stdout and "mrv2/vllm |" in r.stdout
+    for name, present in (("llama.cpp", llama_cpp.available()), ("vllm", vllm_peer.find_python(None) is not None)):
+        if present:
+            for b, res in results.items():
+                assert res[name]["output_tok_s"] > 0 and 0 <= res[name]["identical_completions"] <= int(b)
+                assert len(res[name]["pair_ratios"]) == 2  # timed in turns with mrv2
+            assert f"mrv2/{name}" in r.stdout
+        else:
+            assert (llama_cpp.MISSING if name == "llama.cpp" else vllm_peer.MISSING) in r.stdout
+            assert all(name not in res for res in results.values())
 
 
 @pytest.mark.parametrize("compare, problem", [("sglang", "unknown engine 'sglang'"),
