@@ -259,7 +259,6 @@ def _vllm_peer(args: argparse.Namespace, info):
         print(vllm_peer.MISSING)
         return None
     max_model_len = max(256, args.input_len + args.output_len + 16)
-
     dtype = str(info.dtype).removeprefix("torch.")  # vLLM names dtypes as strings
     print(f"vllm: {python}, {info.model_path}, {dtype}, {info.threads} threads")
     return vllm_peer.VllmPeer(python, info.model_path, dtype, info.threads, max_model_len)
