@@ -132,7 +132,7 @@ inline void store_sums(const float* sums, int64_t rows, float* out, int64_t N, i
 
 // exp(x) for fp32 lanes, within 1 ulp: e^x = 2^n e^r with n = round(x log2 e) and r = x - n ln 2 (ln 2 in
 // two parts, so r keeps its low bits), e^r in [-ln 2 / 2, ln 2 / 2] by its Taylor series to degree 7, scaled
-// by vscalefps. Cheaper than SLEEF's exp, which Inductor's SwiGLU kernel spent most of its time in.
+// by vscalefps. Cheaper than SLEEF's exp, which Inductor's SwiGLU kernel calls.
 inline __m512 exp_ps(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -156,10 +156,7 @@ inline __m512 silu_times(__m512 g, __m512 u) {
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
 }
 
-inline __m512 bf16_rounded(__m512 v) {
-  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+inline __m512 bf16_rounded(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
 
 // SwiGLU of a gate tile's and an up tile's sums (16 x 16 fp32 each) to rows [m, m + rows) of `out` at
 // column n: silu(gate) * up. For bf16 out, gate and up are rounded to bf16 first, as the unfused
@@ -187,6 +184,9 @@ struct ColumnPairs {
   int64_t partner() const { return gated ? gated : 1; }  // from a pair's first column tile to its second
   int64_t step() const { return gated ? 1 : 2; }         // from one pair's first column tile to the next's
   bool two(int64_t t, int64_t t1) const { return gated || t + 1 < t1; }
+  // Weight tile j of the pair starting at column tile t (kt tiles a column): features (j % kt) * 32 on of its
+  // first column (j < kt) or its second; the codes hold a column's tiles after the previous column's.
+  int64_t tile(int64_t t, int64_t j, int64_t kt) const { return (j < kt ? t : t + partner()) * kt + j % kt; }
 };
 
 // out[:, column tiles [t0, t1)] for x [M, K] (M a multiple of 16; the first `rows` are real). Two
@@ -201,10 +201,8 @@ void gemm_columns(const at::BFloat16* x, int64_t M, int64_t rows, int64_t K, con
   constexpr int64_t kTileBytes = kQ4 ? kTileElems / 2 : kTileElems;
   const int64_t kt = K / kTileK, x_stride = K * static_cast<int64_t>(sizeof(at::BFloat16));
   const int64_t half = 2 * kt * kTileElems;
-  // Weight tile j of the column pair starting at t: features (j % kt) * 32 on of its first column (j < kt)
-  // or its second; the codes hold a column's tiles after the previous column's.
   auto dequantize = [&](int64_t t, int64_t j, uint16_t* dst) {
-    const int64_t tile = (j < kt ? t : t + pairs.partner()) * kt + j % kt;
+    const int64_t tile = pairs.tile(t, j, kt);
     dequantize_tile<kQ4>(codes + tile * kTileBytes, d16 + tile * kTileN, kQ4 ? m16 + tile * kTileN : nullptr,
                          dst + j * kTileElems);
   };
@@ -322,7 +320,7 @@ void gemm_columns_bf16(const at::BFloat16* x, int64_t rows, int64_t K, const uin
   for (int64_t t = t0; t < t1; t += pairs.step()) {
     const bool two_cols = pairs.two(t, t1);
     for (int64_t j = 0; j < (two_cols ? 2 : 1) * kt; ++j) {
-      const int64_t tile = (j < kt ? t : t + pairs.partner()) * kt + j % kt;  // a column's tiles follow the previous column's
+      const int64_t tile = pairs.tile(t, j, kt);
       dequantize_tile<kQ4>(codes + tile * kTileBytes, d16 + tile * kTileN, kQ4 ? m16 + tile * kTileN : nullptr,
                            scratch + j * kTileElems);
     }
