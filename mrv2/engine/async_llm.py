@@ -155,16 +155,16 @@ class AsyncLLM:
                     continue
                 now = time.monotonic()
                 for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    times = self._times.get(out.request_id)
-                    if times is not None:
+                    if (times := self._times.get(out.request_id)) is not None:
                         times.record(out, now, stats)
-                    if stream is not None:
+                # Stats first: a client that has its last token finds it counted in the metrics.
+                self._log_stats(stats)
+                for out in outputs:
+                    if (stream := self._streams.get(out.request_id)) is not None:
                         stream.put(out)
                     if out.finished:
                         self._streams.pop(out.request_id, None)
                         self._times.pop(out.request_id, None)
-                self._log_stats(stats)
         except BaseException as e:  # noqa: BLE001 - whatever stopped the loop is every caller's error
             logger.exception("engine loop died")
             self._dead = e

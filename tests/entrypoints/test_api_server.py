@@ -401,9 +401,10 @@ def test_structured_output_through_response_format_and_structured_outputs(client
 
     schema = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
               "properties": {"city": {"type": "string", "maxLength": 20},
-                             "population": {"type": "integer", "minimum": 0}}}
+                             "population": {"type": "integer", "minimum": 0, "maximum": 10**9}}}
     chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "A city as JSON"}], max_tokens=60, temperature=1.0, n=3,
+        model=MODEL, messages=[{"role": "user", "content": "A city as JSON"}], max_tokens=80, temperature=1.0, n=3,
+        seed=7,
         response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
     for choice in chat.choices:
         assert choice.finish_reason == "stop"
