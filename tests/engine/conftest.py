@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from mrv2.engine.async_llm import AsyncLLM
@@ -10,8 +12,10 @@ from mrv2.engine.async_llm import AsyncLLM
 class Recorder:
     def __init__(self):
         self.records = []
+        self.delay = 0.0  # seconds each record takes (a slow stat logger)
 
     def record(self, scheduler, iteration):
+        time.sleep(self.delay)
         self.records.append((scheduler, iteration))
 
 

@@ -52,6 +52,23 @@ def test_concurrent_streams_equal_offline_generation(async_llm, default_llm, rec
     assert all(0 < t < 60 for it in iterations for t in it.inter_token_latencies)
 
 
+def test_a_finished_request_is_in_the_stats_before_its_caller_has_it(async_llm, recorder):
+    """A client that reads the metrics right after its last token finds that token counted,
+    however slowly the stat loggers record."""
+    _wait_idle(async_llm)
+    recorder.records.clear()
+    recorder.delay = 0.05
+    try:
+        async def main():
+            return await _collect(async_llm, PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+
+        _, final = asyncio.run(main())
+        counted = sum(it.num_generation_tokens for _, it in list(recorder.records))
+    finally:
+        recorder.delay = 0.0
+    assert final.finished and len(final.outputs[0].token_ids) == 5 and counted == 5
+
+
 def test_a_closed_stream_aborts_its_request_and_others_finish(async_llm):
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     short = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
