@@ -187,6 +187,9 @@ struct ColumnPairs {
   // Weight tile j of the pair starting at column tile t (kt tiles a column): features (j % kt) * 32 on of its
   // first column (j < kt) or its second; the codes hold a column's tiles after the previous column's.
   int64_t tile(int64_t t, int64_t j, int64_t kt) const { return (j < kt ? t : t + partner()) * kt + j % kt; }
+  // Units of work (pairs) of a weight of `tiles` column tiles, and the first column tile of unit p (`tiles` past the last).
+  int64_t units(int64_t tiles) const { return gated ? tiles / 2 : (tiles + 1) / 2; }
+  int64_t first(int64_t p, int64_t tiles) const { return std::min(p * step(), tiles); }
 };
 
 // out[:, column tiles [t0, t1)] for x [M, K] (M a multiple of 16; the first `rows` are real). Two
@@ -382,13 +385,13 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tenso
   const auto* d16 = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   auto* o = out.data_ptr<Out>();
   // Pairs of column tiles are the unit of work: each dequantizes its weights once.
-  at::parallel_for(0, gated ? tiles / 2 : (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, pairs.units(tiles), 1, [&](int64_t p0, int64_t p1) {
     // A column pair's tiles (AMX: two halves, one dequantized while the other is multiplied), written
     // before they are read; kept from call to call (a fresh buffer of a few hundred KB is mapped and
     // faulted in on every call).
     thread_local std::vector<uint16_t> scratch;
     scratch.resize(std::max<size_t>(scratch.size(), 4 * (K / kTileK) * kTileElems));
-    const int64_t t0 = gated ? p0 : 2 * p0, t1 = gated ? p1 : std::min(2 * p1, tiles);
+    const int64_t t0 = pairs.first(p0, tiles), t1 = pairs.first(p1, tiles);
     if (amx) {
       gemm_columns<kQ4, Out>(xp, M, rows, K, c, d16, mins, o, N, t0, t1, pairs, scratch.data());
     } else {
