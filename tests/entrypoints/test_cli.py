@@ -140,14 +140,15 @@ def test_bench_throughput_compare_llama_cpp_and_vllm_with_plot(tmp_path: Path):
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"1", "3"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for name, present in (("llama.cpp", llama_cpp.available()), ("vllm", vllm_peer.find_python(None) is not None)):
+    for name, present, missing in (("llama.cpp", llama_cpp.available(), llama_cpp.MISSING),
+                                   ("vllm", vllm_peer.find_python(None) is not None, vllm_peer.MISSING)):
         if present:
             for b, res in results.items():
                 assert res[name]["output_tok_s"] > 0 and 0 <= res[name]["identical_completions"] <= int(b)
                 assert len(res[name]["pair_ratios"]) == 2  # timed in turns with mrv2
             assert f"mrv2/{name}" in r.stdout
         else:
-            assert (llama_cpp.MISSING if name == "llama.cpp" else vllm_peer.MISSING) in r.stdout
+            assert missing in r.stdout
             assert all(name not in res for res in results.values())
 
 
