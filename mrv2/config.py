@@ -86,17 +86,15 @@ class QuantPolicy:
 @dataclass(frozen=True)
 class DenseGemvPolicy:
     """Dense float32 weights (linear layers and the LM head) run batches of at most `max_rows` rows on
-    the platform's own GEMV kernel, in its instruction set `isa` (the platform's numbering), touching
-    the weight rows `prefetch_groups` groups ahead of those it reads."""
+    the platform's own GEMV kernel, in its instruction set `isa` (the platform's numbering)."""
 
     isa: int
     max_rows: int
-    prefetch_groups: int = 1
 
     def __post_init__(self) -> None:
-        if self.isa <= 0 or self.max_rows <= 0 or self.prefetch_groups <= 0:
-            raise ValueError(f"a dense GEMV needs an instruction set, rows and a prefetch distance, got "
-                             f"isa={self.isa}, max_rows={self.max_rows}, prefetch_groups={self.prefetch_groups}")
+        if self.isa <= 0 or self.max_rows <= 0:
+            raise ValueError(f"a dense GEMV needs an instruction set and rows, got isa={self.isa}, "
+                             f"max_rows={self.max_rows}")
 
 
 @dataclass(frozen=True)

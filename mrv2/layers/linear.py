@@ -103,14 +103,12 @@ class Linear(nn.Module):
             return None
         return read
 
-    def pack(self, rows_hint: int, keep_plain: bool = False) -> bool:
-        """Replace the dense bf16 or fp32 weight by its oneDNN-packed form (or, with `keep_plain` and no quantized
-        kernel, add the packed form beside it, for the dense GEMV's small batches); False where there is none."""
+    def pack(self, rows_hint: int) -> bool:
+        """Replace the dense bf16 or fp32 weight by its oneDNN-packed form; False where there is none to pack."""
         if not self.packable or self.weight is None or self.weight.dtype not in PACKED_DTYPES:
             return False
         self.packed = PackedWeight(self.weight, rows_hint)
-        if not keep_plain or self.int4 is not None:  # the GEMV reads no dense copy of a quantized weight
-            self.weight = None
+        self.weight = None
         return True
 
     def use_dense_gemv(self, policy: DenseGemvPolicy) -> bool:
@@ -162,16 +160,9 @@ class Linear(nn.Module):
         return sum(p.shape.numel() * self.weight.element_size() for p in self._quantized if p is not None)
 
 
-def pack_linears(module: nn.Module, rows_hint: int, keep_plain: bool = False) -> int:
+def pack_linears(module: nn.Module, rows_hint: int) -> int:
     """Prepack every packable dense `Linear` inside `module` for oneDNN (see `Linear.pack`); how many were."""
-    return sum(m.pack(rows_hint, keep_plain) for m in module.modules() if isinstance(m, Linear))
-
-
-def packable_bytes(module: nn.Module) -> int:
-    """Bytes of the dense weights `pack_linears` would pack: what keeping them plain beside their packed
-    copies costs."""
-    return sum(m.weight.nbytes for m in module.modules() if isinstance(m, Linear) and m.packable
-               and m.int4 is None and m.weight is not None and m.weight.dtype in PACKED_DTYPES)
+    return sum(m.pack(rows_hint) for m in module.modules() if isinstance(m, Linear))
 
 
 def plain_fp32(weight: torch.Tensor | None) -> bool:
@@ -188,5 +179,5 @@ def use_dense_gemv(module: nn.Module, policy: DenseGemvPolicy) -> int:
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                policy: DenseGemvPolicy) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias) in float32 on the platform's dense GEMV (`torch.ops.mrv2`)."""
-    y = torch.ops.mrv2.dense_gemv(x.reshape(-1, x.shape[-1]), weight, bias, policy.isa, policy.prefetch_groups)
+    y = torch.ops.mrv2.dense_gemv(x.reshape(-1, x.shape[-1]), weight, bias, policy.isa)
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -27,8 +27,7 @@ from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.kv_spec import KVCacheSpec
 from mrv2.layers.batch_invariant import ROW_TILE, tiled_linear
 from mrv2.layers.embedding import VocabEmbedding
-from mrv2.layers.linear import (Linear, TPSlice, dense_gemv, pack_linears, packable_bytes, plain_fp32,
-                                use_dense_gemv)
+from mrv2.layers.linear import Linear, TPSlice, dense_gemv, pack_linears, plain_fp32, use_dense_gemv
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.packed import PACKED_DTYPES, pack_weight, packed_linear, packing_available
 from mrv2.layers.quantization import (BlockGemv, QuantizedMatmul, QuantizedWeight, place_in_one_buffer,
@@ -261,36 +260,29 @@ class CausalLM(nn.Module):
         rows = [m.int4_max_rows if m.int4 is not None else 0 for m in self.modules() if isinstance(m, Linear)]
         return min(rows, default=0)
 
-    def pack_linear_weights(self, rows_hint: int, keep_plain: bool = False) -> int:
+    def pack_linear_weights(self, rows_hint: int) -> int:
         """Prepack every packable dense linear weight and the LM head for oneDNN (`layers/packed.py`);
-        how many were. `keep_plain`: the plain weights stay as well (for the dense GEMV's small batches).
+        how many were.
 
         A tied LM head is packed as a copy (the embedding keeps its table for lookups): at 64 rows
         the default model's head ran 2.5x faster packed than as row chunks through `torch.mm`.
         """
         if not packing_available():
             return 0
-        packed = pack_linears(self, rows_hint, keep_plain)
+        packed = pack_linears(self, rows_hint)
         if self.lm_head_weight is not None and self.lm_head_weight.dtype in PACKED_DTYPES:
             self.lm_head_packed = pack_weight(self.lm_head_weight, rows_hint)
-            if not (self.config.tie_word_embeddings or keep_plain and self.lm_head_int4 is None):
+            if not self.config.tie_word_embeddings:
                 self.lm_head_weight = None
             packed += 1
         return packed
 
-    def packable_bytes(self) -> int:
-        """Bytes of the dense weights `pack_linear_weights` packs (an untied LM head's included)."""
-        head = self.lm_head_weight
-        untied = (head is not None and head.dtype in PACKED_DTYPES and not self.config.tie_word_embeddings
-                  and self.lm_head_int4 is None)
-        return packable_bytes(self) + (head.nbytes if untied else 0)
-
     def use_dense_gemv(self, policy: DenseGemvPolicy) -> int:
         """Run small batches of every plain float32 linear weight and of the LM head on the platform's dense
-        GEMV (`layers/linear.py`); how many weights do. Call it after loading and packing: packed weights run it
-        where they were kept plain as well."""
+        GEMV (`layers/linear.py`); how many weights do. Call it after loading, instead of packing."""
         count = use_dense_gemv(self, policy)
-        if plain_fp32(self.lm_head_weight) and self.lm_head_int4 is None and not self.row_tile:
+        if (plain_fp32(self.lm_head_weight) and self.lm_head_int4 is None and self.lm_head_packed is None
+                and not self.row_tile):
             self.lm_head_gemv = policy
             count += 1
         return count

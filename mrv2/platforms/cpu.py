@@ -225,9 +225,8 @@ class CpuPlatform(Platform):
     # default model's 30 layers of linears (2 cores, Zen 4) took 48 / 88 / 73 / 100 / 200 ms
     # plain against 31 / 34 / 22 / 37 / 114 ms packed for oneDNN at 1 / 2 / 4 / 16 / 64 rows.
     # Packed fp32 is not bit-identical to `F.linear` (about 1e-6 relative); the exact mode's
-    # promise is transformers' greedy tokens and close logits, which its tests check. On a 2 vCPU
-    # Zen 3 (AVX2) the same 30 layers took 182 ms plain against 116 packed at 64 rows, 62 against
-    # 48 at 16. Intel CPUs keep MKL, unmeasured there.
+    # promise is transformers' greedy tokens and close logits, which its tests check. Zen 3
+    # (AVX2) is taken by the same cause, unmeasured; Intel CPUs keep MKL, unmeasured there.
     def packs_fp32(self) -> bool:
         """Whether fp32 dense weights are prepacked for oneDNN (AMD CPUs, where MKL's fp32 GEMMs are slow)."""
         return self.vendor == "AuthenticAMD"
@@ -237,24 +236,17 @@ class CpuPlatform(Platform):
     # rounds): 26.9 / 31.4 / 28.2 / 34.7 / 60.5 / 91.3 / 152.5 ms against 32.1 / 35.2 / 51.5 / 63.4 / 82.6 /
     # 96.5 / 124.4 at 1 / 2 / 4 / 8 / 16 / 32 / 64 rows: the weights stream once a call, where MKL's
     # small-row GEMMs read them at 8-17 GB/s. Past 32 rows the multiplications, not the bytes, bound it.
-    # Where fp32 weights are packed (AMD), small batches still run here, on plain copies kept beside the
-    # packed ones where memory allows (see ModelRunner._keeps_plain_weights): on a 2 vCPU Zen 3 the weights
-    # and LM head took 36 / 35 / 39 / 37 / 62 ms against 50 / 51 / 55 / 77 / 70 packed at 1 / 2 / 4 / 8 / 16
-    # rows (19 GB/s for a plain sum over memory there).
     dense_gemv_max_rows = 16
-
-    # How far ahead the dense GEMV touches weight rows (`cpu_kernels/dense_gemv.cpp`, in groups of 4 rows):
-    # one on Sapphire Rapids (1.15-1.19x against none, 1.06x at four), four on Zen 3 (1.05-1.08x against one).
-    def dense_gemv_prefetch_groups(self) -> int:
-        return 4 if self.vendor == "AuthenticAMD" else 1
 
     def dense_gemv_policy(self, dtype: torch.dtype) -> tuple[DenseGemvPolicy | None, str]:
         if dtype != torch.float32:
             return None, f"no dense GEMV for {str(dtype).removeprefix('torch.')} weights"
+        if self.packs_fp32():
+            return None, "fp32 weights are prepacked for oneDNN on this CPU (see packs_fp32)"
         if (failed := self.kernels_missing()) is not None:
             return None, f"mrv2's dense GEMV: {failed}"
         isa = 2 if "avx512f" in self.flags else 1
-        return DenseGemvPolicy(isa, self.dense_gemv_max_rows, self.dense_gemv_prefetch_groups()), (
+        return DenseGemvPolicy(isa, self.dense_gemv_max_rows), (
             f"mrv2's dense GEMV ({DENSE_GEMV_ISAS[isa]}) for {_up_to_rows(self.dense_gemv_max_rows)}, "
             "torch's GEMMs for more")
 

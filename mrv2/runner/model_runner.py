@@ -96,15 +96,14 @@ class ModelRunner:
         if batch_invariant:
             self.model.make_batch_invariant()
         elif (rows := platform.linear_pack_rows(dtype)) is not None:
-            keep_plain = self._keeps_plain_weights(platform, dtype)
-            packed = self.model.pack_linear_weights(rows, keep_plain)
+            packed = self.model.pack_linear_weights(rows)
             packed += self.drafter.head.pack_linear_weights(rows) if self.drafter else 0
             if packed:
-                logger.info("Dense weights of %d linear layers prepacked for oneDNN (batches of ~%d rows)%s",
-                            packed, rows, ", plain copies kept for the dense GEMV" if keep_plain else "")
+                logger.info("Dense weights of %d linear layers prepacked for oneDNN (batches of ~%d rows)",
+                            packed, rows)
             if packed or (quant_policy is not None and quant_policy.gemm_isa):  # kernels compiled pieces call
                 buckets = row_buckets(rows)
-        self._use_dense_gemv(platform, dtype)  # not where batch-invariant, nor packed unless kept plain
+        self._use_dense_gemv(platform, dtype)  # not where packed or batch-invariant: those weights are not plain
         # A whole decode step compiles where attention allows it and nothing else runs between its layers
         # (a drafter's verify steps are not decodes; a KV connector is called around every layer; tensor-
         # parallel ranks exchange partial sums through shared memory, which dynamo does not trace).
@@ -257,14 +256,6 @@ class ModelRunner:
         req_ids = [req_ids[i] for i in order]
         idx = np.fromiter((self.states.slot_of[r] for r in req_ids), np.int64, len(req_ids))
         return req_ids, idx, num_scheduled[order]
-
-    def _keeps_plain_weights(self, platform: Platform, dtype: torch.dtype) -> bool:
-        """Whether packed dense weights keep their plain form too, for small batches on the platform's dense GEMV:
-        where it has one for `dtype` and the plain copies fit a quarter of free memory (on a 2 vCPU Zen 3, the
-        default model's fp32 weights took 36 ms a step on the GEMV against 50 packed at 1 row, 62 against 70 at
-        16; packed ones run 64 rows in 116 ms against 182 plain)."""
-        policy, _ = platform.dense_gemv_policy(dtype)
-        return policy is not None and 0 < self.model.packable_bytes() <= platform.free_memory() // 4
 
     def _use_dense_gemv(self, platform: Platform, dtype: torch.dtype) -> None:
         """Plain dense weights left after packing run small batches on the platform's GEMV where it has one."""

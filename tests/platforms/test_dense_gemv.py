@@ -50,17 +50,6 @@ def test_a_rows_result_does_not_depend_on_the_rows_computed_with_it(isa):
         assert torch.equal(whole[i:i + 1], torch.ops.mrv2.dense_gemv(x[i:i + 1], w, None, isa))
 
 
-@pytest.mark.parametrize("isa", ISAS, ids=lambda i: DENSE_GEMV_ISAS[i])
-def test_the_prefetch_distance_changes_no_result(isa):
-    torch.manual_seed(3)
-    x, w = torch.randn(3, 96), torch.randn(4 * 40 + 3, 96)  # 40 groups of 4 rows and a tail
-    one = torch.ops.mrv2.dense_gemv(x, w, None, isa)
-    for ahead in (2, 4, 39, 40, 100):  # up to past the weight's end: nothing there is touched
-        assert torch.equal(torch.ops.mrv2.dense_gemv(x, w, None, isa, ahead), one)
-    with pytest.raises(RuntimeError, match="ahead must be at least one group"):
-        torch.ops.mrv2.dense_gemv(x, w, None, isa, 0)
-
-
 def test_strided_activations_and_empty_operands():
     isa = ISAS[-1]
     torch.manual_seed(2)

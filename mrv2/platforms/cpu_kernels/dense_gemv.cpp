@@ -8,8 +8,7 @@
 // rows): the hardware prefetchers follow a group's four streams but fall behind. Measured on the
 // default model's 120 layer weights and LM head, fp32, one row, 2 vCPU Sapphire Rapids (median of 27
 // in-process rounds against F.linear, which calls MKL): 1.15-1.19x one group ahead, 1.06x four, 0.92x
-// without (a prefetch of the line being read). On a 2 vCPU Zen 3, four groups ahead against one:
-// 1.05-1.08x (three runs of 15 rounds), so the distance (`ahead`, in groups) is the caller's.
+// without (a prefetch of the line being read).
 // `isa` is the instruction set the caller found in the CPU's flags: 2 for AVX-512F, 1 for AVX2 + FMA.
 
 #include <ATen/ATen.h>
@@ -147,9 +146,8 @@ void rows_against_x(const Problem& p, int64_t n, int64_t M, int64_t ahead, int64
 }
 
 at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                      int64_t isa, int64_t ahead) {
+                      int64_t isa) {
   TORCH_CHECK(isa == 1 || isa == 2, "isa must be 1 (AVX2) or 2 (AVX-512), got ", isa);
-  TORCH_CHECK(ahead >= 1, "ahead must be at least one group, got ", ahead);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
               weight.size(1) == x.size(1), "weight must be a contiguous float32 [N, K] tensor, K = x's columns");
@@ -168,8 +166,8 @@ at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& weight, const std::
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kGroupRows * K));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      // The same rows `ahead` groups on, while they are inside the weight.
-      rows_against_x<kGroupRows>(p, g * kGroupRows, M, g + ahead < groups ? ahead * kGroupRows * K : 0, isa);
+      const int64_t ahead = g + 1 < groups ? kGroupRows * K : 0;  // the next group's rows, inside the weight
+      rows_against_x<kGroupRows>(p, g * kGroupRows, M, ahead, isa);
     }
   });
   for (int64_t n = groups * kGroupRows; n < N; ++n) rows_against_x<1>(p, n, M, 0, isa);
@@ -179,7 +177,7 @@ at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& weight, const std::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mrv2, m) {
-  m.def("dense_gemv(Tensor x, Tensor weight, Tensor? bias, int isa, int ahead=1) -> Tensor");
+  m.def("dense_gemv(Tensor x, Tensor weight, Tensor? bias, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mrv2, CPU, m) { m.impl("dense_gemv", &dense_gemv); }
