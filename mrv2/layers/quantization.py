@@ -22,8 +22,10 @@ the platform's own block kernels (`torch.ops.mrv2_gguf`, loaded by the platform)
 GGUF's blocks and fp16 scales as they are (one pass over the weights for Q8_0) and sum
 integer products with the activations quantized to int16 per block (a finer step than bf16).
 Where the policy names a `gemm_isa`, batches of more rows run on the block GEMM over a second
-layout of the same codes (`GemmTiles`): each tile dequantized to bf16 in cache, as a dense bf16
-copy holds it, then multiplied with fp32 sums (on AMX, or with AVX512-BF16 dot products).
+layout of the same codes (`GemmTiles`): on AMX and AVX512-BF16, bf16 activations times each tile
+dequantized to bf16 in cache, as a dense bf16 copy holds it, summed in fp32; on AVX2 CPUs without
+native bf16, integer products with the float32 activations quantized to int8 per block,
+as llama.cpp's are (coarser than bf16's rounding: see the README's perplexities).
 `quantized_matmul` picks one of the two for a weight and a `QuantPolicy`.
 """
 
@@ -147,29 +149,62 @@ class Int4Matmul:
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """A Q4 or Q8_0 weight laid out for the block GEMM (`cpu_kernels/gguf_gemm.cpp`): per tile of 16
-    output columns by 32 input features, 16 rows of bf16 pairs (features 2r, 2r + 1 of each column),
-    multiplied on AMX where `amx`, else with AVX512-BF16 dot products.
+    """A Q4 or Q8_0 weight laid out for the block GEMM of `engine` (the platform's `gemm_isa` numbers them, see
+    `ENGINES`), which takes the activations' dtypes `takes` names.
 
-    A tile row's lane 2n + p is feature 2r + p of column n. `codes`: Q4 [N / 16, K / 32, 16, 16] bytes (byte j:
-    lane j in the low nibble, lane j + 16 in the high one), Q8_0 [N / 16, K / 32, 16, 32] int8, lane by lane;
-    `scales` (and `mins`) fp16 [N / 16, K / 32, 16].
+    "amx" and "bf16" (`cpu_kernels/gguf_gemm.cpp`, bf16 activations): per tile of 16 output columns by 32
+    input features, 16 rows of bf16 pairs (features 2r, 2r + 1 of each column), multiplied on AMX or with
+    AVX512-BF16 dot products. A tile row's lane 2n + p is feature 2r + p of column n. `codes`: Q4
+    [N / 16, K / 32, 16, 16] bytes (byte j: lane j in the low nibble, lane j + 16 in the high one), Q8_0
+    [N / 16, K / 32, 16, 32] int8, lane by lane; `scales` (and `mins`) fp16 [N / 16, K / 32, 16].
+
+    "avx2" (`cpu_kernels/gguf_gemm_avx2.cpp`, float32 activations, quantized to int8 per block): per
+    strip of 8 output columns and block of 32 features, 8 groups of 4 features: `codes` [N / 8, K / 32, 8, 8,
+    4], byte (g, n, i) the code of column n, feature 4g + i (uint8 for Q4, int8 for Q8_0); `scales` (and
+    `mins`) float32 [N / 8, K / 32, 8].
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
-    amx: bool
+    engine: str
+
+    ENGINES = {1: "bf16", 2: "amx", 3: "avx2"}  # the platform's gemm_isa numbering
 
     @staticmethod
     def supports(weight: QuantizedWeight) -> bool:
         n, k = weight.shape
         return n % 16 == 0 and k % GGUF_BLOCK == 0
 
+    @staticmethod
+    def takes(gemm_isa: int, dtype: torch.dtype) -> bool:
+        """Whether the block GEMM of `gemm_isa` takes activations of `dtype`."""
+        return GemmTiles._engine_takes(GemmTiles.ENGINES.get(gemm_isa), dtype)
+
+    def accepts(self, dtype: torch.dtype) -> bool:
+        """Whether these tiles' engine takes activations of `dtype`."""
+        return self._engine_takes(self.engine, dtype)
+
+    @staticmethod
+    def _engine_takes(engine: str | None, dtype: torch.dtype) -> bool:
+        if engine is None:
+            return False
+        return dtype == (torch.float32 if engine == "avx2" else torch.bfloat16)
+
     @classmethod
-    def of(cls, weight: QuantizedWeight, mins: torch.Tensor | None, amx: bool) -> GemmTiles:
-        """Tiles of `weight` (codes [N, K], q in 0..15 or int8) with its per-block `mins` (None for Q8_0)."""
+    def of(cls, weight: QuantizedWeight, mins: torch.Tensor | None, gemm_isa: int) -> GemmTiles:
+        """Tiles of `weight` (codes [N, K], q in 0..15 or int8) with its per-block `mins` (None for Q8_0), for the
+        block GEMM of `gemm_isa`."""
+        engine = cls.ENGINES[gemm_isa]
         n, k = weight.shape
+        if engine == "avx2":
+            groups = weight.codes.view(n // 8, 8, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [strip, block, g, n, i]
+            codes = groups.to(torch.int8 if mins is None else torch.uint8).contiguous()
+
+            def per_strip(t: torch.Tensor) -> torch.Tensor:
+                return t.float().view(n // 8, 8, k // 32).permute(0, 2, 1).contiguous()
+
+            return cls(codes, per_strip(weight.scales), None if mins is None else per_strip(mins), engine)
         pairs = weight.codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [tile n, tile k, r, n, pair]
         lanes = pairs.reshape(n // 16, k // 32, 16, 32)  # a tile row: lane 2n + p is feature 2r + p of column n
         if mins is None:
@@ -181,21 +216,23 @@ class GemmTiles:
         def per_tile(t: torch.Tensor) -> torch.Tensor:
             return t.to(torch.float16).view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
 
-        return cls(tiled.contiguous(), per_tile(weight.scales), None if mins is None else per_tile(mins), amx)
+        return cls(tiled.contiguous(), per_tile(weight.scales), None if mins is None else per_tile(mins), engine)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
-        """x @ W^T for bf16 x: bf16 (rounded once), or float32 sums as they are where `out_dtype` says so.
-        `gated`: silu(first half of the columns) * second half instead (SwiGLU on a stacked gate/up weight),
-        from the same sums (bf16 out: each half rounded to bf16 first, as the unfused product is)."""
+        """x @ W^T (x as the engine `takes`) in x's dtype (bf16: rounded once), or float32 sums as they are where
+        `out_dtype` says so. `gated` (where `gates()`): silu(first half of the columns) * second half instead
+        (SwiGLU on a stacked gate/up weight), from the same sums (bf16 out: each half rounded to bf16 first, as
+        the unfused product is)."""
         if self.mins is None:
-            q8 = torch.ops.mrv2_gguf.q8_gemm_amx if self.amx else torch.ops.mrv2_gguf.q8_gemm_bf16
+            q8 = getattr(torch.ops.mrv2_gguf, f"q8_gemm_{self.engine}")
             return q8(x, self.codes, self.scales, out_dtype, gated)
-        q4 = torch.ops.mrv2_gguf.q4_gemm_amx if self.amx else torch.ops.mrv2_gguf.q4_gemm_bf16
+        q4 = getattr(torch.ops.mrv2_gguf, f"q4_gemm_{self.engine}")
         return q4(x, self.codes, self.scales, self.mins, out_dtype, gated)
 
     def gates(self) -> bool:
-        """Whether a gated product fits: the columns split into two halves of whole tiles."""
-        return self.codes.shape[0] % 2 == 0
+        """Whether a gated product fits: an engine that has one, and columns that split into two halves of
+        whole tiles."""
+        return self.engine != "avx2" and self.codes.shape[0] % 2 == 0
 
     @property
     def nbytes(self) -> int:
@@ -204,8 +241,8 @@ class GemmTiles:
 
 class BlockGemv:
     """x @ W^T for a `QuantizedWeight` on the platform's block GEMV (`gemv_isa` names its instruction set);
-    batches of more than `gemv_rows` rows of bf16 on its block GEMM where `gemm_isa` (the platform's
-    numbering: 2 AMX, 1 AVX512-BF16 dot products; 0 none).
+    batches of more than `gemv_rows` rows on its block GEMM where `gemm_isa` (the platform's numbering: 2 AMX,
+    1 AVX512-BF16 dot products, both for bf16 activations; 3 AVX2 integer products, for float32; 0 none).
 
     Codes keep GGUF's layout (Q4: two a byte, weight j and j + 16 of a block in one byte);
     scales and mins are fp16, as GGUF stores them (Q4_0 as Q4_1 with min -8d, exact in fp16), flat:
@@ -229,7 +266,7 @@ class BlockGemv:
             mins = -8 * weight.scales.float() if weight.qtype == "Q4_0" else weight.mins
             self.mins = _flat_halves(mins)
         self.gemv_rows = gemv_rows
-        self.tiles = GemmTiles.of(weight, mins, gemm_isa == 2) if gemm_isa and GemmTiles.supports(weight) else None
+        self.tiles = GemmTiles.of(weight, mins, gemm_isa) if gemm_isa and GemmTiles.supports(weight) else None
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W^T, in `out_dtype` where given (x's dtype or float32; else x's dtype): the kernels write
@@ -252,7 +289,7 @@ class BlockGemv:
         return self.tiles(x2, gated=True).view(*x.shape[:-1], self.out_features // 2)
 
     def _on_tiles(self, x2: torch.Tensor) -> bool:
-        return self.tiles is not None and x2.shape[0] > self.gemv_rows and x2.dtype == torch.bfloat16
+        return self.tiles is not None and x2.shape[0] > self.gemv_rows and self.tiles.accepts(x2.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -309,7 +346,7 @@ def quantized_matmul(weight: QuantizedWeight, dtype: torch.dtype, policy: QuantP
     if not policy.uses_int4:
         return None
     if policy.gemv_isa and block_gemv_supports(weight):
-        gemm_isa = policy.gemm_isa if dtype == torch.bfloat16 else 0
+        gemm_isa = policy.gemm_isa if GemmTiles.takes(policy.gemm_isa, dtype) else 0
         return BlockGemv(weight, policy.gemv_isa, gemm_isa, policy.int4_max_rows)
     if int4_kernel_supports(*weight.shape):
         return Int4Matmul(weight, dtype)

@@ -44,13 +44,13 @@ ZEN3 = {"avx2", "fma", "f16c"}
     ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, torch.bfloat16, False, "auto", 4, True),  # Sapphire Rapids
     ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, False, "auto", 4, True),  # Zen 4: a packed dense copy
     ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, False, "gguf", 4, False),  # no dense copy asked
-    (ZEN3, torch.float32, False, "auto", 8, True),  # Zen 3's auto dtype: the block GEMV on fp32 activations
+    (ZEN3, torch.float32, False, "auto", 4, False),  # Zen 3's auto dtype: block GEMV, then the AVX2 block GEMM
     (ZEN3, torch.float32, True, "auto", 0, False),  # float32 by name: the exact reference mode
     ({"avx2", "fma"}, torch.float32, False, "auto", 0, False),  # no block GEMV; torch's int4 kernel is bf16-only
     ({"avx2", "fma"}, torch.bfloat16, False, "auto", 8, True),  # bf16 by name: torch's AVX2 int4 code
     (set(), torch.bfloat16, False, "auto", 0, False),  # no vector ISA known
     ({"avx2", "avx512f", "avx512_bf16"}, torch.float32, True, "auto", 0, False),  # the exact reference mode
-    (ZEN3, torch.float32, True, "gguf", 8, False),  # ... unless the GGUF's weights are asked to stay quantized
+    (ZEN3, torch.float32, True, "gguf", 4, False),  # ... unless the GGUF's weights are asked to stay quantized
     ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, False, None, 0, False),  # quantization=None
 ])
 def test_quantized_kernels_follow_cpu_flags_and_dtype(flags, dtype, exact, quantization, int4_rows, dense):
@@ -83,17 +83,19 @@ SAPPHIRE_RAPIDS = VNNI | {"avx512_bf16", "amx_tile", "amx_bf16"}
 @pytest.mark.parametrize("flags,dtype,quantization", [
     (SAPPHIRE_RAPIDS, torch.bfloat16, "auto"),
     (SAPPHIRE_RAPIDS, torch.bfloat16, "gguf"),
-    (SAPPHIRE_RAPIDS, torch.float32, "gguf"),  # fp32 activations: the GEMM takes bf16 only
+    (SAPPHIRE_RAPIDS, torch.float32, "gguf"),  # fp32 activations with native bf16: the GEMV's finer int16 codes
     (SAPPHIRE_RAPIDS - {"amx_bf16"}, torch.bfloat16, "auto"),  # AVX512-BF16 left: dot products
     (VNNI | {"avx512_bf16"}, torch.bfloat16, "auto"),  # Zen 4
     (VNNI | {"avx512_bf16"}, torch.float32, "auto"),
     (VNNI, torch.bfloat16, "auto"),  # AVX-512 without BF16: dense GEMMs on a copy
-    (ZEN3, torch.bfloat16, "gguf"),
+    (ZEN3, torch.bfloat16, "gguf"),  # bf16 by name without native bf16: neither GEMM
+    (ZEN3, torch.float32, "auto"),
 ])
 def test_block_gemm_follows_cpu_flags_and_dtype(flags, dtype, quantization):
-    """Larger batches run on the block GEMM (no dense copy) where the activations are bf16: on AMX where the
-    flags name AMX-BF16 and the process may use AMX tiles (which only a CPU with AMX grants), else with
-    AVX512-BF16 dot products where the flags name them; as before elsewhere."""
+    """Larger batches run on the block GEMM (no dense copy): bf16 activations on AMX where the flags name
+    AMX-BF16 and the process may use AMX tiles (which only a CPU with AMX grants), else with AVX512-BF16 dot
+    products where the flags name them; float32 activations without native bf16 with AVX2 integer products;
+    as before elsewhere."""
     from mrv2.platforms.cpu_kernels import load_cpu_kernels
 
     platform = CpuPlatform(frozenset(flags))
@@ -102,10 +104,13 @@ def test_block_gemm_follows_cpu_flags_and_dtype(flags, dtype, quantization):
     amx = platform.has_amx() and dtype == torch.bfloat16 and loaded and torch.ops.mrv2_gguf.amx_ready()
     dot = not amx and "avx512_bf16" in flags and dtype == torch.bfloat16 and loaded
     assert platform.has_amx() == ("amx_bf16" in flags)
-    assert policy.gemm_isa == (2 if amx else 1 if dot else 0) and policy.uses_int4
+    avx2 = dtype == torch.float32 and not platform.supports_native_bf16() and loaded
+    assert policy.gemm_isa == (2 if amx else 1 if dot else 3 if avx2 else 0) and policy.uses_int4
     assert ("block GEMM (AMX)" in why) == amx and ("block GEMM (AVX512-BF16)" in why) == dot
-    if amx or dot:  # the tiles serve every batch but the GEMV's few rows: no dense copy
-        assert policy.dense_budget == 0 and policy.int4_max_rows == (1 if amx else 2)
+    assert ("block GEMM (AVX2 int8)" in why) == avx2
+    if amx or dot or avx2:  # the tiles serve every batch but the GEMV's few rows: no dense copy
+        rows = CpuPlatform.int4_max_rows_avx2_gemm if avx2 else 1 if amx else 2
+        assert policy.dense_budget == 0 and policy.int4_max_rows == rows
 
 
 INTEL, AMD = "GenuineIntel", "AuthenticAMD"
