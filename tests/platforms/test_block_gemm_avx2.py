@@ -23,10 +23,14 @@ pytestmark = [pytest.mark.usefixtures("split_threads"),
 
 def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x's values as the kernel quantizes them (int8 codes per 32-value block, scale max |x| / 127), and each
-    block's scale."""
+    block's scale. In its float32 steps, so that values near halfway between two codes round as the kernel's do:
+    x times 127 / max |x| (a division: torch's `127 / t` multiplies by t's reciprocal, an ulp away at times),
+    rounded half to even."""
     blocks = x.view(x.shape[0], -1, 32)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
-    codes = torch.round(blocks / torch.where(scale > 0, scale, 1)).clamp(-127, 127)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)
+    codes = torch.round(blocks * inv)
+    scale = amax / 127
     return (codes * scale).view_as(x), scale.squeeze(-1)
 
 
