@@ -70,7 +70,7 @@ class QuantPolicy:
     platform's own block GEMV for those batches (the platform's numbering; 0: torch's int4 kernel).
     `gemm_isa`: batches of more than `int4_max_rows` rows run on the platform's block GEMM over
     the same quantized weights, in the platform's numbering of its instruction sets (0: none;
-    no dense copy otherwise; `GemmTiles.activations` names the dtype each takes).
+    no dense copy otherwise; `GemmTiles.takes` says which activations' dtype each takes).
     """
 
     int4_max_rows: int = 0
