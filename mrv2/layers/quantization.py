@@ -150,7 +150,7 @@ class Int4Matmul:
 @dataclass(frozen=True)
 class GemmTiles:
     """A Q4 or Q8_0 weight laid out for the block GEMM of `engine` (the platform's `gemm_isa` numbers them, see
-    `ENGINES`), which takes the activations' dtypes `takes` names.
+    `ENGINES`), which takes activations of `dtype`.
 
     "amx" and "bf16" (`cpu_kernels/gguf_gemm.cpp`, bf16 activations): per tile of 16 output columns by 32
     input features, 16 rows of bf16 pairs (features 2r, 2r + 1 of each column), multiplied on AMX or with
@@ -170,6 +170,7 @@ class GemmTiles:
     engine: str
 
     ENGINES = {1: "bf16", 2: "amx", 3: "avx2"}  # the platform's gemm_isa numbering
+    ACTIVATIONS = {"bf16": torch.bfloat16, "amx": torch.bfloat16, "avx2": torch.float32}  # what each engine takes
 
     @staticmethod
     def supports(weight: QuantizedWeight) -> bool:
@@ -179,17 +180,12 @@ class GemmTiles:
     @staticmethod
     def takes(gemm_isa: int, dtype: torch.dtype) -> bool:
         """Whether the block GEMM of `gemm_isa` takes activations of `dtype`."""
-        return GemmTiles._engine_takes(GemmTiles.ENGINES.get(gemm_isa), dtype)
+        return GemmTiles.ACTIVATIONS.get(GemmTiles.ENGINES.get(gemm_isa)) == dtype
 
-    def accepts(self, dtype: torch.dtype) -> bool:
-        """Whether these tiles' engine takes activations of `dtype`."""
-        return self._engine_takes(self.engine, dtype)
-
-    @staticmethod
-    def _engine_takes(engine: str | None, dtype: torch.dtype) -> bool:
-        if engine is None:
-            return False
-        return dtype == (torch.float32 if engine == "avx2" else torch.bfloat16)
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype these tiles' engine takes."""
+        return self.ACTIVATIONS[self.engine]
 
     @classmethod
     def of(cls, weight: QuantizedWeight, mins: torch.Tensor | None, gemm_isa: int) -> GemmTiles:
@@ -289,7 +285,7 @@ class BlockGemv:
         return self.tiles(x2, gated=True).view(*x.shape[:-1], self.out_features // 2)
 
     def _on_tiles(self, x2: torch.Tensor) -> bool:
-        return self.tiles is not None and x2.shape[0] > self.gemv_rows and self.tiles.accepts(x2.dtype)
+        return self.tiles is not None and x2.shape[0] > self.gemv_rows and x2.dtype == self.tiles.dtype
 
     @property
     def nbytes(self) -> int:
