@@ -49,20 +49,16 @@ constexpr int64_t kGroupBytes = kRows * 4;
 
 // Rows [r0, r1) of x [M, nb * 32] (row stride ldx) into the panels.
 void quantize_x(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t nb, uint8_t* panels, float* d, float* s) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   // packs then packs again leave four-byte groups in the order 0, 2, 4, 6, 1, 3, 5, 7.
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * ldx + kBlock * b;
       __m256 v[4];
-      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
-      const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-      const float mx = hmax(amax);
+      for (int i = 0; i < 4; ++i) v[i] = load8(xb + 8 * i);
       const int64_t at = (r / kRows * nb + b) * kRows + r % kRows;
+      const float mx = block_absmax(v, s[at]);
       d[at] = mx / 127.0f;
-      s[at] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
       const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
       __m256i c[4];
       for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
