@@ -86,10 +86,13 @@ class QuantPolicy:
 @dataclass(frozen=True)
 class DenseGemvPolicy:
     """Dense float32 weights (linear layers and the LM head) run batches of at most `max_rows` rows on
-    the platform's own GEMV kernel, in its instruction set `isa` (the platform's numbering)."""
+    the platform's own GEMV kernel, in its instruction set `isa` (the platform's numbering); larger ones
+    through oneDNN on the same plain weights where `onednn_above` (CPUs whose torch GEMMs, MKL's, are
+    slow), else through torch."""
 
     isa: int
     max_rows: int
+    onednn_above: bool = False
 
     def __post_init__(self) -> None:
         if self.isa <= 0 or self.max_rows <= 0:

@@ -4,7 +4,7 @@ A shard may arrive quantized (`QuantizedWeight`, from a GGUF file); once every w
 is loaded, `finalize_quantization` decides how the layer runs it: through the int4
 kernel for small batches (with a dense copy for larger ones when the budget allows),
 or dequantized. Dense float32 weights may run small batches on the platform's own GEMV
-(`use_dense_gemv`), larger ones through torch.
+(`use_dense_gemv`), larger ones through oneDNN or torch, as its policy says.
 
 Under tensor parallelism (`tp`, see `mrv2.distributed.parallel`) a linear holds a slice:
 "column" layers hold part of every shard's output rows and need no communication; "row"
@@ -22,7 +22,7 @@ from torch import nn
 from mrv2.config import DenseGemvPolicy, QuantPolicy
 from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.layers.batch_invariant import tiled_linear
-from mrv2.layers.packed import PACKED_DTYPES, PackedWeight
+from mrv2.layers.packed import PACKED_DTYPES, PackedWeight, onednn_linear
 from mrv2.layers.quantization import BlockGemv, QuantizedMatmul, QuantizedWeight, quantized_matmul
 
 
@@ -90,8 +90,8 @@ class Linear(nn.Module):
         if self._on_int4(x):
             y = self.int4(x)
             return y if bias is None else y.add_(bias)
-        if self.gemv is not None and x.numel() <= self.gemv.max_rows * x.shape[-1]:
-            return dense_gemv(x, self.weight, bias, self.gemv)
+        if self.gemv is not None:
+            return dense_linear(x, self.weight, bias, self.gemv)
         if self.packed is not None:
             return self.packed(x, bias)
         return F.linear(x, self.weight, bias)
@@ -176,8 +176,15 @@ def use_dense_gemv(module: nn.Module, policy: DenseGemvPolicy) -> int:
     return sum(m.use_dense_gemv(policy) for m in module.modules() if isinstance(m, Linear))
 
 
-def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               policy: DenseGemvPolicy) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias) in float32 on the platform's dense GEMV (`torch.ops.mrv2`)."""
-    y = torch.ops.mrv2.dense_gemv(x.reshape(-1, x.shape[-1]), weight, bias, policy.isa)
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 policy: DenseGemvPolicy) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias) in float32: on the platform's dense GEMV (`torch.ops.mrv2`) for
+    up to `policy.max_rows` rows, above that through oneDNN (`policy.onednn_above`) or torch."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] <= policy.max_rows:
+        y = torch.ops.mrv2.dense_gemv(x2, weight, bias, policy.isa)
+    elif policy.onednn_above:
+        y = onednn_linear(x2, weight, bias)
+    else:
+        return F.linear(x, weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -4,7 +4,9 @@ oneDNN's AMX / AVX-512-BF16 kernels read weights in a blocked layout, while `F.l
 hands them a plain row-major one on every call. Packed once at load, the default
 model's bf16 shapes ran 1.3-1.9x faster at 1 to 64 rows and the same at 2048 on a 2 vCPU
 Sapphire Rapids, bit-identical to `F.linear`. fp32 packs where oneDNN beats MKL (AMD
-CPUs), not bit-identical there (see `Platform.linear_pack_rows`).
+CPUs) and mrv2's dense GEMV is missing, not bit-identical there (see `Platform.linear_pack_rows`);
+where the GEMV runs small batches, larger ones call oneDNN on the plain weight
+(`onednn_linear`), which measured within 6% of packed at 128 rows and more.
 
 Inductor cannot trace oneDNN's opaque tensors (no fake tensor can stand in for one), so
 compiled graphs reach a packed weight through `PackedWeight`: the custom op
@@ -57,10 +59,19 @@ def row_buckets(max_rows: int) -> tuple[int, ...]:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] @ W^T (+ bias) with a weight from `pack_weight`."""
+    """x [rows, in] @ W^T (+ bias) with a weight from `pack_weight`, or a plain [out, in] one (which
+    oneDNN reorders a panel at a time, each call)."""
     rows = x.shape[0]
     out = torch.ops.mkldnn._linear_pointwise(pad_rows(x, padded_rows(rows)), packed, bias, "none", [], "")
     return out if out.shape[0] == rows else out[:rows]
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ weight^T (+ bias) through oneDNN on a plain weight, eagerly and inside compiled
+    graphs (whose Inductor lowers oneDNN's linear for constant weights only)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.mrv2.onednn_linear(x, weight, bias)
+    return packed_linear(x, weight, bias)
 
 
 # Packed tensors by handle; an entry goes when its `PackedWeight` does.
@@ -78,11 +89,18 @@ def _packed_linear_by_handle(x: torch.Tensor, handle: torch.Tensor, out_features
 _lib = torch.library.Library("mrv2", "FRAGMENT")
 _lib.define("packed_linear(Tensor x, Tensor handle, int out_features, Tensor? bias) -> Tensor")
 _lib.impl("packed_linear", _packed_linear_by_handle, "CPU")
+_lib.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_lib.impl("onednn_linear", packed_linear, "CPU")
 
 
 @torch.library.register_fake("mrv2::packed_linear")
 def _(x: torch.Tensor, handle: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
+
+
+@torch.library.register_fake("mrv2::onednn_linear")
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 class PackedWeight(torch.nn.Module):

@@ -27,7 +27,7 @@ from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.kv_spec import KVCacheSpec
 from mrv2.layers.batch_invariant import ROW_TILE, tiled_linear
 from mrv2.layers.embedding import VocabEmbedding
-from mrv2.layers.linear import Linear, TPSlice, dense_gemv, pack_linears, plain_fp32, use_dense_gemv
+from mrv2.layers.linear import Linear, TPSlice, dense_linear, pack_linears, plain_fp32, use_dense_gemv
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.packed import PACKED_DTYPES, pack_weight, packed_linear, packing_available
 from mrv2.layers.quantization import (BlockGemv, QuantizedMatmul, QuantizedWeight, place_in_one_buffer,
@@ -214,8 +214,9 @@ class CausalLM(nn.Module):
         dense = self.lm_head_weight is not None or self.lm_head_packed is not None
         if self.lm_head_int4 is not None and (not dense or hidden.shape[0] <= self.lm_head_int4_max_rows):
             return self.lm_head_int4(hidden, torch.float32)
-        if self.lm_head_gemv is not None and hidden.shape[0] <= self.lm_head_gemv.max_rows:
-            return dense_gemv(hidden, self.lm_head_weight, None, self.lm_head_gemv)  # one call, in threads
+        gemv = self.lm_head_gemv
+        if gemv is not None and (hidden.shape[0] <= gemv.max_rows or gemv.onednn_above):
+            return dense_linear(hidden, self.lm_head_weight, None, gemv)  # one call, in threads
         if self.lm_head_packed is not None:  # one call: oneDNN blocks the packed vocabulary itself
             return packed_linear(hidden, self.lm_head_packed, None).float()
         if chunk_rows is None or chunk_rows >= self.lm_head_weight.shape[0]:

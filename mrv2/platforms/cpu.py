@@ -240,9 +240,11 @@ class CpuPlatform(Platform):
     # Packed fp32 is not bit-identical to `F.linear` (about 1e-6 relative); the exact mode's
     # promise is transformers' greedy tokens and close logits, which its tests check. Zen 3
     # (AVX2) is taken by the same cause, unmeasured; Intel CPUs keep MKL, unmeasured there.
+    # Where mrv2's dense GEMV runs, AMD CPUs keep plain weights instead (`dense_gemv_policy`).
     def packs_fp32(self) -> bool:
-        """Whether fp32 dense weights are prepacked for oneDNN (AMD CPUs, where MKL's fp32 GEMMs are slow)."""
-        return self.vendor == "AuthenticAMD"
+        """Whether fp32 dense weights are prepacked for oneDNN: on AMD CPUs, where MKL's fp32 GEMMs are slow,
+        when mrv2's dense GEMV (which reads plain weights) cannot run."""
+        return self.vendor == "AuthenticAMD" and self.kernels_missing() is not None
 
     # mrv2's dense fp32 GEMV (`cpu_kernels/dense_gemv.cpp`) against `F.linear` (MKL), the default model's
     # 120 layer weights and its LM head from memory (2 vCPU Sapphire Rapids, medians of 27 in-process
@@ -250,18 +252,27 @@ class CpuPlatform(Platform):
     # 96.5 / 124.4 at 1 / 2 / 4 / 8 / 16 / 32 / 64 rows: the weights stream once a call, where MKL's
     # small-row GEMMs read them at 8-17 GB/s. Past 32 rows the multiplications, not the bytes, bound it.
     dense_gemv_max_rows = 16
+    # On AMD CPUs larger batches run through oneDNN on the plain weights (MKL is slow there, see
+    # `packs_fp32`). The same 120 weights and LM head (2 vCPU Zen 4, the GEMV prefetching into L2):
+    # AVX-512 GEMV 12.8 / 15.3 / 16.6 / 26.4 / 41.7 / 77.8 / 154 ms against oneDNN on plain weights
+    # 21.5 / 28.2 / 32.2 / 45.6 / 55.4 / 97.6 / 158 and on packed ones 20.0 / 19.5 / 21.5 / 29.7 / 43.0 /
+    # 81.1 / 141 at 1 / 4 / 8 / 16 / 32 / 64 / 128 rows; the AVX2 GEMV 12.8 / 13.8 / 19.7 / 34.2 / 57.3 at
+    # 1-32 rows (Zen 3 itself unmeasured). One plain copy serves both, where a packed one is slow at one row.
+    dense_gemv_max_rows_amd_avx512 = 64
 
     def dense_gemv_policy(self, dtype: torch.dtype) -> tuple[DenseGemvPolicy | None, str]:
         if dtype != torch.float32:
             return None, f"no dense GEMV for {str(dtype).removeprefix('torch.')} weights"
-        if self.packs_fp32():
-            return None, "fp32 weights are prepacked for oneDNN on this CPU (see packs_fp32)"
         if (failed := self.kernels_missing()) is not None:
             return None, f"mrv2's dense GEMV: {failed}"
         isa = 2 if "avx512f" in self.flags else 1
-        return DenseGemvPolicy(isa, self.dense_gemv_max_rows), (
-            f"mrv2's dense GEMV ({DENSE_GEMV_ISAS[isa]}) for {_up_to_rows(self.dense_gemv_max_rows)}, "
-            "torch's GEMMs for more")
+        amd = self.vendor == "AuthenticAMD"
+        onednn = amd and torch.backends.mkldnn.is_available()
+        rows = self.dense_gemv_max_rows_amd_avx512 if amd and isa == 2 else self.dense_gemv_max_rows
+        return DenseGemvPolicy(isa, rows, onednn_above=onednn), (
+            f"mrv2's dense GEMV ({DENSE_GEMV_ISAS[isa]}) for {_up_to_rows(rows)}, "
+            + ("oneDNN on the same plain weights for more (MKL's fp32 GEMMs are slow on AMD CPUs)" if onednn
+               else "torch's GEMMs for more"))
 
     def half_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         # bf16 whatever the checkpoint: CPUs with native bf16 have no fast fp16 GEMMs.

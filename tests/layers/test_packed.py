@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from mrv2 import LLM, SamplingParams
 from mrv2.config import QuantPolicy
 from mrv2.layers.linear import Linear
-from mrv2.layers.packed import packing_available
+from mrv2.layers.packed import packed_linear, packing_available
 from mrv2.platforms import CpuPlatform
 from quant_helpers import quantized
 
@@ -90,8 +90,9 @@ def test_bf16_engine_packs_its_linears_and_lm_head_and_matches_plain_weights(tin
 
 def test_fp32_engine_packs_or_runs_the_dense_gemv_where_the_platform_says_and_keeps_transformers_tokens(
         tiny_checkpoint):
-    """fp32 weights are packed for oneDNN (AMD), or run small batches on mrv2's dense GEMV (elsewhere, where its
-    kernels build): either way the default engine, its batch-1 decode compiled whole, keeps transformers' tokens."""
+    """fp32 weights run small batches on mrv2's dense GEMV where its kernels build, larger ones through oneDNN
+    on the same plain weights (AMD) or torch (elsewhere); they are packed for oneDNN where the kernels do not
+    build on AMD: either way the default engine, its batch-1 decode compiled whole, keeps transformers' tokens."""
     from transformers import AutoModelForCausalLM
 
     path, _ = tiny_checkpoint("llama", True)
@@ -102,11 +103,12 @@ def test_fp32_engine_packs_or_runs_the_dense_gemv_where_the_platform_says_and_ke
     assert all((m.packed is not None) == packs for m in model.modules() if isinstance(m, Linear))
     assert (model.lm_head_packed is not None) == packs
     assert all(m.gemv == gemv for m in model.modules() if isinstance(m, Linear)) and model.lm_head_gemv == gemv
-    if gemv is not None:  # the LM head too: one row on the GEMV, more rows than its own through torch
+    if gemv is not None:  # the LM head too: one row on the GEMV, more rows than its own through oneDNN or torch
         hidden = torch.randn(gemv.max_rows + 1, model.config.hidden_size)
         want = F.linear(hidden.double(), model.lm_head_weight.double()).float()
         torch.testing.assert_close(model.compute_logits(hidden[:1], 2048), want[:1], atol=1e-5, rtol=1e-5)
-        assert torch.equal(model.compute_logits(hidden, None), F.linear(hidden, model.lm_head_weight))
+        above = packed_linear if gemv.onednn_above else F.linear
+        assert torch.equal(model.compute_logits(hidden, None), above(hidden, model.lm_head_weight, None))
     prompt = [3, 17, 99, 4, 250]
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

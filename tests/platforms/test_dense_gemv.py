@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from mrv2.config import DenseGemvPolicy
+from mrv2.layers.batch_invariant import pad_rows
 from mrv2.layers.linear import Linear
+from mrv2.layers.packed import padded_rows
 from mrv2.platforms.cpu import DENSE_GEMV_ISAS, CpuPlatform
 
 MACHINE = CpuPlatform()
@@ -87,6 +89,27 @@ def test_linear_runs_small_batches_on_it_and_larger_ones_through_torch():
     small, large = torch.randn(2, 2, 96), torch.randn(5, 96)  # leading dims: 4 rows in all
     assert torch.equal(layer(small), torch.ops.mrv2.dense_gemv(small.reshape(4, 96), w, b, policy.isa).view(2, 2, 128))
     assert torch.equal(layer(large), F.linear(large, w, b))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("rows", [5, 37])  # a row bucket of its own, and one padded to 48 rows
+def test_larger_batches_run_through_onednn_on_the_same_plain_weight_where_the_policy_says(rows):
+    """AMD CPUs' policy: above the GEMV's rows, oneDNN on the plain weight (no packed copy), eagerly and in
+    compiled graphs (through `mrv2::onednn_linear`, which Inductor calls as it is)."""
+    policy = DenseGemvPolicy(ISAS[-1], max_rows=4, onednn_above=True)
+    torch.manual_seed(5)
+    layer = Linear(96, [80], True, torch.float32)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    assert layer.use_dense_gemv(policy)
+    x = torch.randn(rows, 96)
+    bucket = pad_rows(x, padded_rows(rows))  # oneDNN's kernels per row count are bounded (`layers/packed.py`)
+    want = torch.ops.mkldnn._linear_pointwise(bucket, layer.weight, layer.bias, "none", [], "")[:rows]
+    got = layer(x)
+    _close(got, _reference(x, layer.weight, layer.bias), 96)
+    assert torch.equal(got, want)
+    compiled = torch.compile(lambda t: torch.relu(layer(t)), dynamic=False)
+    torch.testing.assert_close(compiled(x), torch.relu(got), rtol=0, atol=0)
 
 
 def test_only_plain_float32_weights_take_it():

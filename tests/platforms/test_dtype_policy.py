@@ -120,8 +120,10 @@ INTEL, AMD = "GenuineIntel", "AuthenticAMD"
     ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, INTEL, torch.bfloat16, True),  # Sapphire Rapids
     ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.bfloat16, True),  # Zen 4
     ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, INTEL, torch.float32, False),  # fp32 keeps MKL
-    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.float32, True),  # MKL's fp32 is slow on AMD
-    ({"avx2", "fma"}, AMD, torch.float32, True),  # Zen 3 too
+    (VNNI | {"avx512_bf16"}, AMD, torch.float32, False),  # Zen 4: plain weights, mrv2's dense GEMV and oneDNN
+    (ZEN3, AMD, torch.float32, False),  # Zen 3 too
+    ({"avx2", "avx512f", "avx512_bf16"}, AMD, torch.float32, True),  # no FMA or F16C named: MKL's slow fp32 on AMD
+    ({"avx2", "fma"}, AMD, torch.float32, True),  # the same on Zen 3
     ({"avx2", "fma"}, AMD, torch.bfloat16, False),  # Zen 3: no native bf16 kernels to pack for
 ])
 def test_linear_packing_follows_cpu_flags_and_dtype(flags, vendor, dtype, packs):
@@ -129,16 +131,20 @@ def test_linear_packing_follows_cpu_flags_and_dtype(flags, vendor, dtype, packs)
     assert (rows is not None) == packs and (rows is None or rows > 0)
 
 
-@pytest.mark.parametrize("flags,vendor,dtype,isa", [
-    (SAPPHIRE_RAPIDS, INTEL, torch.float32, 2),  # AVX-512
-    ({"avx2", "fma", "f16c"}, INTEL, torch.float32, 1),  # AVX2 only
-    (SAPPHIRE_RAPIDS, INTEL, torch.bfloat16, 0),  # bf16 weights: packed for oneDNN or plain torch
-    (ZEN3, AMD, torch.float32, 0),  # fp32 weights packed for oneDNN on AMD (packs_fp32)
-    ({"avx2", "avx512f"}, INTEL, torch.float32, 0),  # no FMA or F16C named
+@pytest.mark.parametrize("flags,vendor,dtype,isa,rows", [
+    (SAPPHIRE_RAPIDS, INTEL, torch.float32, 2, CpuPlatform.dense_gemv_max_rows),  # AVX-512, then MKL
+    ({"avx2", "fma", "f16c"}, INTEL, torch.float32, 1, CpuPlatform.dense_gemv_max_rows),  # AVX2 only
+    (SAPPHIRE_RAPIDS, INTEL, torch.bfloat16, 0, 0),  # bf16 weights: packed for oneDNN or plain torch
+    (VNNI | {"avx512_bf16"}, AMD, torch.float32, 2, CpuPlatform.dense_gemv_max_rows_amd_avx512),  # Zen 4, then oneDNN
+    (ZEN3, AMD, torch.float32, 1, CpuPlatform.dense_gemv_max_rows),  # Zen 3, then oneDNN
+    ({"avx2", "avx512f"}, INTEL, torch.float32, 0, 0),  # no FMA or F16C named
 ])
-def test_dense_gemv_follows_cpu_flags_vendor_and_dtype(flags, vendor, dtype, isa):
-    policy, why = CpuPlatform(frozenset(flags), vendor).dense_gemv_policy(dtype)
+def test_dense_gemv_follows_cpu_flags_vendor_and_dtype(flags, vendor, dtype, isa, rows):
+    platform = CpuPlatform(frozenset(flags), vendor)
+    policy, why = platform.dense_gemv_policy(dtype)
     assert (policy.isa if policy else 0) == isa and why  # the kernels build on this machine (a compiler is here)
+    assert not (policy and platform.linear_pack_rows(dtype))  # the GEMV reads plain weights: none are packed
     if policy:
-        assert policy.max_rows == CpuPlatform.dense_gemv_max_rows
+        assert policy.max_rows == rows and policy.onednn_above == (vendor == AMD)
         assert why.startswith(f"mrv2's dense GEMV ({'AVX-512' if isa == 2 else 'AVX2'})")
+        assert ("oneDNN on the same plain weights" in why) == policy.onednn_above
