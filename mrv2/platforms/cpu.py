@@ -253,11 +253,11 @@ class CpuPlatform(Platform):
     # small-row GEMMs read them at 8-17 GB/s. Past 32 rows the multiplications, not the bytes, bound it.
     dense_gemv_max_rows = 16
     # On AMD CPUs larger batches run through oneDNN on the plain weights (MKL is slow there, see
-    # `packs_fp32`). The same 120 weights and LM head (2 vCPU Zen 4, the GEMV prefetching into L2):
-    # AVX-512 GEMV 12.8 / 15.3 / 16.6 / 26.4 / 41.7 / 77.8 / 154 ms against oneDNN on plain weights
-    # 21.5 / 28.2 / 32.2 / 45.6 / 55.4 / 97.6 / 158 and on packed ones 20.0 / 19.5 / 21.5 / 29.7 / 43.0 /
-    # 81.1 / 141 at 1 / 4 / 8 / 16 / 32 / 64 / 128 rows; the AVX2 GEMV 12.8 / 13.8 / 19.7 / 34.2 / 57.3 at
-    # 1-32 rows (Zen 3 itself unmeasured). One plain copy serves both, where a packed one is slow at one row.
+    # `packs_fp32`). The same 120 weights and LM head (`tools/dense_linear_bench.py`, 2 vCPU Zen 4, the
+    # GEMV prefetching into L2): AVX-512 GEMV 19.2 / 31.7 / 101.2 / 191.3 ms against oneDNN on plain
+    # weights 29.9 / 52.3 / 113.5 / 189.2 (on packed ones 28.8 / 37.8 / 94.7 / 170.0, MKL 46.9 / 79.9 /
+    # 141.6 / 241.7) at 1 / 16 / 64 / 128 rows; the AVX2 GEMV 19.9 / 41.7 / 134.2 at 1 / 16 / 64 (Zen 3
+    # itself unmeasured). One plain copy serves both, where a packed one is slow at one row.
     dense_gemv_max_rows_amd_avx512 = 64
 
     def dense_gemv_policy(self, dtype: torch.dtype) -> tuple[DenseGemvPolicy | None, str]:
