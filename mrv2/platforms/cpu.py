@@ -256,9 +256,10 @@ class CpuPlatform(Platform):
     # `packs_fp32`). The same 120 weights and LM head (`tools/dense_linear_bench.py`, 2 vCPU Zen 4, the
     # GEMV prefetching into L2): AVX-512 GEMV 19.2 / 31.7 / 101.2 / 191.3 ms against oneDNN on plain
     # weights 29.9 / 52.3 / 113.5 / 189.2 (on packed ones 28.8 / 37.8 / 94.7 / 170.0, MKL 46.9 / 79.9 /
-    # 141.6 / 241.7) at 1 / 16 / 64 / 128 rows; the AVX2 GEMV 19.9 / 41.7 / 134.2 at 1 / 16 / 64 (Zen 3
-    # itself unmeasured). One plain copy serves both, where a packed one is slow at one row.
-    dense_gemv_max_rows_amd_avx512 = 64
+    # 141.6 / 241.7) at 1 / 16 / 64 / 128 rows; the AVX2 GEMV (passes of 3 rows) 15.7 / 32.4 / 102.3 /
+    # 191.4 in another run, where oneDNN plain took 26.9 / 48.6 / 111.6 / 187.2 (Zen 3 itself unmeasured).
+    # One plain copy serves both, where a packed one is slow at one row.
+    dense_gemv_max_rows_amd = 64
 
     def dense_gemv_policy(self, dtype: torch.dtype) -> tuple[DenseGemvPolicy | None, str]:
         if dtype != torch.float32:
@@ -268,7 +269,7 @@ class CpuPlatform(Platform):
         isa = 2 if "avx512f" in self.flags else 1
         amd = self.vendor == "AuthenticAMD"
         onednn = amd and torch.backends.mkldnn.is_available()
-        rows = self.dense_gemv_max_rows_amd_avx512 if amd and isa == 2 else self.dense_gemv_max_rows
+        rows = self.dense_gemv_max_rows_amd if amd else self.dense_gemv_max_rows
         return DenseGemvPolicy(isa, rows, onednn_above=onednn), (
             f"mrv2's dense GEMV ({DENSE_GEMV_ISAS[isa]}) for {_up_to_rows(rows)}, "
             + ("oneDNN on the same plain weights for more (MKL's fp32 GEMMs are slow on AMD CPUs)" if onednn

@@ -33,7 +33,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: DENSE_GEMV_ISAS[i])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17])  # passes of 2 (AVX2) or 4 rows, and remainders
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16, 17])  # passes of 3 (AVX2) or 4 rows, and remainders
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (17, 37), (8, 4), (1, 5), (100, 3)])  # K and N tails
 @pytest.mark.parametrize("bias", [False, True])
 def test_dense_gemv_equals_f_linear(isa, rows, k, n, bias):

@@ -135,8 +135,8 @@ def test_linear_packing_follows_cpu_flags_and_dtype(flags, vendor, dtype, packs)
     (SAPPHIRE_RAPIDS, INTEL, torch.float32, 2, CpuPlatform.dense_gemv_max_rows),  # AVX-512, then MKL
     ({"avx2", "fma", "f16c"}, INTEL, torch.float32, 1, CpuPlatform.dense_gemv_max_rows),  # AVX2 only
     (SAPPHIRE_RAPIDS, INTEL, torch.bfloat16, 0, 0),  # bf16 weights: packed for oneDNN or plain torch
-    (VNNI | {"avx512_bf16"}, AMD, torch.float32, 2, CpuPlatform.dense_gemv_max_rows_amd_avx512),  # Zen 4, then oneDNN
-    (ZEN3, AMD, torch.float32, 1, CpuPlatform.dense_gemv_max_rows),  # Zen 3, then oneDNN
+    (VNNI | {"avx512_bf16"}, AMD, torch.float32, 2, CpuPlatform.dense_gemv_max_rows_amd),  # Zen 4, then oneDNN
+    (ZEN3, AMD, torch.float32, 1, CpuPlatform.dense_gemv_max_rows_amd),  # Zen 3, then oneDNN
     ({"avx2", "avx512f"}, INTEL, torch.float32, 0, 0),  # no FMA or F16C named
 ])
 def test_dense_gemv_follows_cpu_flags_vendor_and_dtype(flags, vendor, dtype, isa, rows):
