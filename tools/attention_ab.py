@@ -1,6 +1,6 @@
 """The paged decode attention kernel of a git revision against the working tree's, in one process.
 
-Both versions of `mrv2/platforms/cpu_kernels/paged_attention.cpp` (with the .inc files of their
+Both versions of `mrv2/platforms/cpu_kernels/paged_attention.cpp` (with the .inc files of its
 revision) are built under op namespaces of their own; each round runs one decode step's attention
 of the default model's shapes (30 layers, 9 query / 3 KV heads of 64, bf16, the engine's joint
 K|V layout in blocks of 16 tokens) for a batch of requests whose blocks lie in random order, every
@@ -25,10 +25,11 @@ from torch.utils.cpp_extension import load
 
 from mrv2.platforms import CpuPlatform
 from mrv2.platforms.cpu import ATTENTION_ISAS
+from mrv2.platforms.cpu_kernels import SOURCE_FILES
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "mrv2/platforms/cpu_kernels"
-FILES = ("paged_attention.cpp", "paged_attention_avx512.inc", "vec8.inc")
+FILES = ["paged_attention.cpp"] + [f.name for f in SOURCE_FILES if f.suffix == ".inc"]
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 16
 
 
@@ -45,9 +46,10 @@ def build(name: str, files: dict[str, str], folder: Path) -> None:
 
 
 def sources_at(rev: str) -> dict[str, str]:
-    """The kernel's files as they are at git revision `rev`."""
-    return {name: subprocess.run(["git", "show", f"{rev}:{KERNELS.relative_to(ROOT) / name}"], cwd=ROOT, check=True,
-                                 capture_output=True, text=True).stdout for name in FILES}
+    """The kernel's files as they are at git revision `rev` (those it has)."""
+    shown = {name: subprocess.run(["git", "show", f"{rev}:{KERNELS.relative_to(ROOT) / name}"], cwd=ROOT,
+                                  capture_output=True, text=True) for name in FILES}
+    return {name: run.stdout for name, run in shown.items() if run.returncode == 0}
 
 
 def main() -> None:

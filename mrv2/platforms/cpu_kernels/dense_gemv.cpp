@@ -8,10 +8,8 @@
 // rows): the hardware prefetchers follow a group's four streams but fall behind. Measured on the
 // default model's 120 layer weights and LM head, fp32, one row, 2 vCPU Sapphire Rapids (median of 27
 // in-process rounds against F.linear, which calls MKL): 1.15-1.19x one group ahead, 1.06x four, 0.92x
-// without (a prefetch of the line being read). The lines go to L2 (prefetcht1), not L1: on a 2 vCPU
-// Zen 4, one row, 15.6 against 21.2 ms (35 against 25 GB/s; 33 for torch's sum of a 440 MB tensor),
-// 31 against 37 ms at 16 rows; L2 has more room for misses in flight than L1. (The GGUF GEMV's
-// prefetches stay in L1: into L2 its weights streamed 6% slower.)
+// without (a prefetch of the line being read). On AMD CPUs the lines go to L2 (prefetch.inc): on a 2
+// vCPU Zen 4, one row, 15.6 against 21.2 ms into L1, 31 against 37 ms at 16 rows.
 // `isa` is the instruction set the caller found in the CPU's flags: 2 for AVX-512F, 1 for AVX2 + FMA.
 
 #include <ATen/ATen.h>
@@ -24,6 +22,8 @@
 #include <optional>
 
 namespace {
+
+#include "prefetch.inc"
 
 constexpr int kGroupRows = 4;
 
@@ -64,7 +64,7 @@ void dot(const Problem& p, int64_t n, int64_t m, int64_t ahead) {
     __m256 xv[P];
     for (int i = 0; i < P; ++i) xv[i] = _mm256_loadu_ps(x + i * p.ldx + k);
     for (int r = 0; r < R; ++r) {
-      if ((k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + r * p.K + k + ahead), _MM_HINT_T1);
+      if ((k & 15) == 0) prefetch_streamed(w + r * p.K + k + ahead);
       const __m256 wv = _mm256_loadu_ps(w + r * p.K + k);
       for (int i = 0; i < P; ++i) acc[i][r] = _mm256_fmadd_ps(wv, xv[i], acc[i][r]);
     }
@@ -106,7 +106,7 @@ void dot(const Problem& p, int64_t n, int64_t m, int64_t ahead) {
     __m512 xv[P];
     for (int i = 0; i < P; ++i) xv[i] = _mm512_loadu_ps(x + i * p.ldx + k);
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * p.K + k + ahead), _MM_HINT_T1);
+      prefetch_streamed(w + r * p.K + k + ahead);
       const __m512 wv = _mm512_loadu_ps(w + r * p.K + k);
       for (int i = 0; i < P; ++i) acc[i][r] = _mm512_fmadd_ps(wv, xv[i], acc[i][r]);
     }

@@ -33,6 +33,7 @@ extern "C" __m512 Sleef_expf16_u10(__m512);
 
 namespace {
 
+#include "prefetch.inc"
 #include "vec8.inc"
 
 // Strides (in elements) of a cache [num_blocks, block_size, kv_heads, dim] whose last dim is
@@ -43,16 +44,13 @@ struct CacheView {
 
 // Touches the cache lines of `elems` values from `p` ahead of their use: keys and values are
 // read a token (a few hundred bytes) at a time from blocks anywhere in memory, too little of a
-// stream for the hardware prefetchers, so without this each token waits on DRAM. Into L2
-// (prefetcht1), whose room for misses in flight is larger than L1's: batch 64 at 96 tokens, one
-// layer of the default model with the cache in memory (2 vCPU Zen 4), 329 against 450 us a layer
-// (AVX-512 kernel), 385 against 453 (AVX2).
-inline void prefetch_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
-
+// stream for the hardware prefetchers, so without this each token waits on DRAM. Into L2 on AMD CPUs
+// (prefetch.inc): batch 64 at 96 tokens, one layer of the default model with the cache in memory (2
+// vCPU Zen 4), 329 against 450 us a layer into L1 (AVX-512 kernel), 385 against 453 (AVX2).
 template <typename T>
 inline void prefetch(const T* p, int64_t elems) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < elems * static_cast<int64_t>(sizeof(T)); i += 64) prefetch_line(c + i);
+  for (int64_t i = 0; i < elems * static_cast<int64_t>(sizeof(T)); i += 64) prefetch_streamed(c + i);
 }
 
 // Where each of a task's tokens keeps its keys and values (its first KV head): row pointers found
@@ -93,37 +91,29 @@ template <typename T>
 struct NextRows {
   TokenRows<T>* rows = nullptr;
   int64_t k_span = 0, v_span = 0;
-  int64_t fetched = 0;  // tokens whose lines are all fetched
-  int64_t line = 0;  // lines of token `fetched` fetched: its keys' `k_lines`, then its values'
-  int64_t k_lines = 0, v_lines = 0, per_tick = 0;
+  int64_t fetched = 0;  // the next task's tokens fetched
+  int64_t ticks = 1, credit = 0;  // a token is fetched each time credit reaches `ticks` (it gains len a tick)
 
   // This task does `ticks` steps of work (calls of `tick(1)`).
-  void start(int64_t ticks) {
-    if (rows == nullptr) return;
-    k_lines = (k_span * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-    v_lines = (v_span * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-    const int64_t lines = rows->len * (k_lines + v_lines);
-    per_tick = (lines + ticks - 1) / std::max<int64_t>(ticks, 1);
-  }
+  void start(int64_t work) { ticks = std::max<int64_t>(work, 1); }
 
-  // Fetches the lines of `n` steps of work.
+  // Fetches the tokens of `n` steps of work.
   inline void tick(int64_t n) {
     if (rows == nullptr) return;
-    for (int64_t left = n * per_tick; left > 0 && fetched < rows->len; --left) {
-      prefetch_line(line < k_lines ? static_cast<const void*>(rows->keys[fetched] + line * 64 / sizeof(T))
-                                   : static_cast<const void*>(rows->values[fetched] + (line - k_lines) * 64 / sizeof(T)));
-      if (++line == k_lines + v_lines) {
-        line = 0;
-        ++fetched;
-      }
+    for (credit += n * rows->len; credit >= ticks && fetched < rows->len; credit -= ticks, ++fetched) {
+      prefetch(rows->keys[fetched], k_span);
+      prefetch(rows->values[fetched], v_span);
     }
-    rows->fetched = fetched == rows->len;
   }
 
-  // Fetches whatever is left.
+  // Fetches whatever is left: the next task need fetch none of its tokens.
   void finish() {
     if (rows == nullptr) return;
-    tick((rows->len * (k_lines + v_lines) + std::max<int64_t>(per_tick, 1) - 1) / std::max<int64_t>(per_tick, 1));
+    for (; fetched < rows->len; ++fetched) {
+      prefetch(rows->keys[fetched], k_span);
+      prefetch(rows->values[fetched], v_span);
+    }
+    rows->fetched = true;
   }
 };
 
