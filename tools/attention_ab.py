@@ -15,41 +15,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load
+from kernel_versions import build, sources_at, working_sources
 
 from mrv2.platforms import CpuPlatform
 from mrv2.platforms.cpu import ATTENTION_ISAS
-from mrv2.platforms.cpu_kernels import SOURCE_FILES
 
-ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ROOT / "mrv2/platforms/cpu_kernels"
-FILES = ["paged_attention.cpp"] + [f.name for f in SOURCE_FILES if f.suffix == ".inc"]
+MAIN = "paged_attention.cpp"
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 16
-
-
-def build(name: str, files: dict[str, str], folder: Path) -> None:
-    """Build paged_attention.cpp from `files` (name -> text) with its ops under namespace `name`."""
-    folder.mkdir()
-    for file, text in files.items():
-        if file == "paged_attention.cpp":
-            text = text.replace("TORCH_LIBRARY_FRAGMENT(mrv2,", f"TORCH_LIBRARY_FRAGMENT({name},")
-            text = text.replace("TORCH_LIBRARY_IMPL(mrv2,", f"TORCH_LIBRARY_IMPL({name},")
-        (folder / file).write_text(text)
-    load(name=f"{name}_ext", sources=[str(folder / "paged_attention.cpp")], extra_cflags=["-O3", "-fopenmp"],
-         extra_ldflags=["-fopenmp"], is_python_module=False)
-
-
-def sources_at(rev: str) -> dict[str, str]:
-    """The kernel's files as they are at git revision `rev` (those it has)."""
-    shown = {name: subprocess.run(["git", "show", f"{rev}:{KERNELS.relative_to(ROOT) / name}"], cwd=ROOT,
-                                  capture_output=True, text=True) for name in FILES}
-    return {name: run.stdout for name, run in shown.items() if run.returncode == 0}
 
 
 def main() -> None:
@@ -63,8 +40,8 @@ def main() -> None:
     if not args.isa:
         raise SystemExit("this CPU has no paged decode attention kernel (it needs AVX2, FMA and F16C)")
     with tempfile.TemporaryDirectory() as tmp:
-        build("attention_old", sources_at(args.rev), Path(tmp) / "old")
-        build("attention_new", {f: (KERNELS / f).read_text() for f in FILES}, Path(tmp) / "new")
+        build("attention_old", MAIN, sources_at(args.rev, MAIN), "mrv2", Path(tmp) / "old")
+        build("attention_new", MAIN, working_sources(MAIN), "mrv2", Path(tmp) / "new")
     ops = {"old": torch.ops.attention_old.paged_decode_attention, "new": torch.ops.attention_new.paged_decode_attention}
     torch.manual_seed(0)
     per_request = -(-args.keys // BLOCK)

@@ -14,42 +14,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load
+from kernel_versions import build, sources_at, working_sources
 
 from mrv2.layers.quantization import BlockGemv, QuantizedWeight
 from mrv2.platforms import CpuPlatform
 from mrv2.platforms.cpu import GEMV_ISAS
-from mrv2.platforms.cpu_kernels import SOURCE_FILES
 
-ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ROOT / "mrv2/platforms/cpu_kernels"
+MAIN = "gguf_gemv.cpp"
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-
-
-def build(name: str, files: dict[str, str], folder: Path) -> None:
-    """Build gguf_gemv.cpp from `files` (name -> text: it and the .inc files it includes) with its ops
-    under namespace `name`."""
-    folder.mkdir()
-    for file, text in files.items():
-        if file == "gguf_gemv.cpp":
-            text = text.replace("TORCH_LIBRARY(mrv2_gguf,", f"TORCH_LIBRARY({name},")
-            text = text.replace("TORCH_LIBRARY_IMPL(mrv2_gguf,", f"TORCH_LIBRARY_IMPL({name},")
-        (folder / file).write_text(text)
-    load(name=f"{name}_ext", sources=[str(folder / "gguf_gemv.cpp")], extra_cflags=["-O3", "-fopenmp"],
-         extra_ldflags=["-fopenmp"], is_python_module=False)
-
-
-def sources_at(rev: str) -> dict[str, str]:
-    """gguf_gemv.cpp and the .inc files as they are at git revision `rev`."""
-    names = ["gguf_gemv.cpp"] + [f.name for f in SOURCE_FILES if f.suffix == ".inc"]
-    return {name: subprocess.run(["git", "show", f"{rev}:{KERNELS.relative_to(ROOT) / name}"], cwd=ROOT, check=True,
-                                 capture_output=True, text=True).stdout for name in names}
 
 
 def q4_weight(n: int, k: int, isa: int) -> BlockGemv:
@@ -77,8 +54,8 @@ def main() -> None:
     if not isa:
         raise SystemExit("this CPU has no block GEMV (it needs AVX2, FMA and F16C)")
     with tempfile.TemporaryDirectory() as tmp:
-        build("gemv_old", sources_at(args.rev), Path(tmp) / "old")
-        build("gemv_new", {f.name: f.read_text() for f in SOURCE_FILES}, Path(tmp) / "new")
+        build("gemv_old", MAIN, sources_at(args.rev, MAIN), "mrv2_gguf", Path(tmp) / "old")
+        build("gemv_new", MAIN, working_sources(MAIN), "mrv2_gguf", Path(tmp) / "new")
     ops = {"old": torch.ops.gemv_old.q4_gemv, "new": torch.ops.gemv_new.q4_gemv}
     head_ops = {"old": torch.ops.gemv_old.q8_gemv, "new": torch.ops.gemv_new.q8_gemv}
     torch.manual_seed(0)
