@@ -14,8 +14,8 @@ request's length from `seq_lens`, so one graph serves every sequence length.
 One layer of the default model (9 query / 3 KV heads of 64, bf16) on a 2 vCPU Zen 4, this
 kernel against the Inductor-compiled one over a joint cache of 20,000 blocks: 0.28 vs 0.64-0.73 ms
 at batch 64 and 64 keys, 0.67 vs 1.24-1.62 ms at 160 keys; 33 vs 89 us at batch 1 and 160 keys.
-Since it fetches the next request's blocks into L2 at an even pace, 0.17 ms at 64 keys and 0.40 at
-160 (blocks in random order, from memory).
+Since it fetches the next request's blocks at an even pace (into L2 on AMD CPUs), 0.17 ms at 64 keys
+and 0.40 at 160 (blocks in random order, from memory).
 The kernel needs nothing compiled per shape, so nothing warms up. Where the CPU has
 AVX512-BF16 the platform runs the kernel's AVX-512 variant (`CpuPlatform.attention_isa`):
 sixteen tokens' scores at once, bf16 keys straight into vdpbf16ps.
