@@ -240,11 +240,15 @@ class CpuPlatform(Platform):
     # Packed fp32 is not bit-identical to `F.linear` (about 1e-6 relative); the exact mode's
     # promise is transformers' greedy tokens and close logits, which its tests check. Zen 3
     # (AVX2) is taken by the same cause, unmeasured; Intel CPUs keep MKL, unmeasured there.
-    # Where mrv2's dense GEMV runs, AMD CPUs keep plain weights instead (`dense_gemv_policy`).
+    def slow_mkl_fp32(self) -> bool:
+        """Whether torch's fp32 GEMMs (MKL's) take a slow path on this CPU (AMD CPUs): its fp32 dense weights
+        run through oneDNN instead, packed (`packs_fp32`) or beside mrv2's dense GEMV (`dense_gemv_policy`)."""
+        return self.vendor == "AuthenticAMD"
+
     def packs_fp32(self) -> bool:
-        """Whether fp32 dense weights are prepacked for oneDNN: on AMD CPUs, where MKL's fp32 GEMMs are slow,
-        when mrv2's dense GEMV (which reads plain weights) cannot run."""
-        return self.vendor == "AuthenticAMD" and self.kernels_missing() is not None
+        """Whether fp32 dense weights are prepacked for oneDNN: where MKL's fp32 GEMMs are slow, when mrv2's
+        dense GEMV (which reads plain weights, and keeps them so) cannot run."""
+        return self.slow_mkl_fp32() and self.kernels_missing() is not None
 
     # mrv2's dense fp32 GEMV (`cpu_kernels/dense_gemv.cpp`) against `F.linear` (MKL), the default model's
     # 120 layer weights and its LM head from memory (2 vCPU Sapphire Rapids, medians of 27 in-process
@@ -253,7 +257,7 @@ class CpuPlatform(Platform):
     # small-row GEMMs read them at 8-17 GB/s. Past 32 rows the multiplications, not the bytes, bound it.
     dense_gemv_max_rows = 16
     # On AMD CPUs larger batches run through oneDNN on the plain weights (MKL is slow there, see
-    # `packs_fp32`). The same 120 weights and LM head (`tools/dense_linear_bench.py`, 2 vCPU Zen 4, the
+    # `slow_mkl_fp32`). The same 120 weights and LM head (`tools/dense_linear_bench.py`, 2 vCPU Zen 4, the
     # GEMV prefetching into L2): AVX-512 GEMV 19.2 / 31.7 / 101.2 / 191.3 ms against oneDNN on plain
     # weights 29.9 / 52.3 / 113.5 / 189.2 (on packed ones 28.8 / 37.8 / 94.7 / 170.0, MKL 46.9 / 79.9 /
     # 141.6 / 241.7) at 1 / 16 / 64 / 128 rows; the AVX2 GEMV (passes of 3 rows) 15.7 / 32.4 / 102.3 /
@@ -267,9 +271,9 @@ class CpuPlatform(Platform):
         if (failed := self.kernels_missing()) is not None:
             return None, f"mrv2's dense GEMV: {failed}"
         isa = 2 if "avx512f" in self.flags else 1
-        amd = self.vendor == "AuthenticAMD"
-        onednn = amd and torch.backends.mkldnn.is_available()
-        rows = self.dense_gemv_max_rows_amd if amd else self.dense_gemv_max_rows
+        slow_mkl = self.slow_mkl_fp32()
+        onednn = slow_mkl and torch.backends.mkldnn.is_available()
+        rows = self.dense_gemv_max_rows_amd if slow_mkl else self.dense_gemv_max_rows
         return DenseGemvPolicy(isa, rows, onednn_above=onednn), (
             f"mrv2's dense GEMV ({DENSE_GEMV_ISAS[isa]}) for {_up_to_rows(rows)}, "
             + ("oneDNN on the same plain weights for more (MKL's fp32 GEMMs are slow on AMD CPUs)" if onednn
