@@ -32,3 +32,39 @@ def quantized(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeigh
     ref = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)
     parts = {p: torch.from_numpy(a) for p, a in decode_blocks(qtype, raw, n, k).items()}
     return stored_weight(qtype, parts), ref
+
+
+def int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's values as the integer GEMMs quantize them (int8 codes per 32-value block, scale max |x| / 127), and each
+    block's scale. In their float32 steps, so that values near halfway between two codes round as theirs do:
+    x times 127 / max |x| (a division: torch's `127 / t` multiplies by t's reciprocal, an ulp away at times),
+    rounded half to even."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)
+    codes = torch.round(blocks * inv)
+    scale = amax / 127
+    return (codes * scale).view_as(x), scale.squeeze(-1)
+
+
+def check_int8_product(weight: QuantizedWeight, x: torch.Tensor, got: torch.Tensor) -> None:
+    """`got` (float32 sums) is the product of x quantized to int8 per block with the dequantized weight, as the
+    integer GEMMs compute it (a Q4 block's min times x's exact sum), and within that quantization's bound of
+    the exact product."""
+    x = x.float()
+    w = weight.dequantize(torch.float32).double()
+    n, k = w.shape
+    quantized_x, scale = int8_blocks(x)
+    want = quantized_x.double() @ w.t()
+    coded = w  # the part of each weight its code carries: d * q
+    if weight.mins is not None or weight.qtype == "Q4_0":  # a Q4 block's min multiplies x's exact sum
+        mins = -8 * weight.scales.double() if weight.qtype == "Q4_0" else weight.mins.double()
+        sums = lambda t: t.double().view(t.shape[0], -1, 32).sum(-1)  # noqa: E731
+        want += (sums(x) - sums(quantized_x)) @ mins.t()
+        coded = w - mins.repeat_interleave(32, dim=1)
+    # The kernel's arithmetic on those codes: integer sums, scaled once a block in fp32.
+    assert (got.double() - want).abs().max() <= want.abs().max() * 2 ** -18
+    # Against the exact product: at most half a step of x's codes a value, times what the codes carry.
+    exact = x.double() @ w.t()
+    bound = (scale.double() / 2) @ coded.abs().view(n, k // 32, 32).sum(-1).t()
+    assert ((got.double() - exact).abs() <= bound * (1 + 2 ** -10) + exact.abs().max() * 2 ** -18).all()

@@ -152,9 +152,10 @@ class GemmTiles:
     """A Q4 or Q8_0 weight laid out for the block GEMM of `engine` (the platform's `gemm_isa` numbers them, see
     `ENGINES`), which takes activations of `dtype`.
 
-    "amx" and "bf16" (`cpu_kernels/gguf_gemm.cpp`, bf16 activations): per tile of 16 output columns by 32
-    input features, 16 rows of bf16 pairs (features 2r, 2r + 1 of each column), multiplied on AMX or with
-    AVX512-BF16 dot products. A tile row's lane 2n + p is feature 2r + p of column n. `codes`: Q4
+    "amx", "bf16" (`cpu_kernels/gguf_gemm.cpp`) and "vnni" (`cpu_kernels/gguf_gemm_vnni.cpp`), bf16
+    activations: per tile of 16 output columns by 32 input features, 16 rows of bf16 pairs (features 2r,
+    2r + 1 of each column), multiplied on AMX or with AVX512-BF16 dot products, or unpacked to bytes for
+    AVX512-VNNI integer products with the activations quantized to int8 per block. A tile row's lane 2n + p is feature 2r + p of column n. `codes`: Q4
     [N / 16, K / 32, 16, 16] bytes (byte j: lane j in the low nibble, lane j + 16 in the high one), Q8_0
     [N / 16, K / 32, 16, 32] int8, lane by lane; `scales` (and `mins`) fp16 [N / 16, K / 32, 16].
 
@@ -169,8 +170,9 @@ class GemmTiles:
     mins: torch.Tensor | None
     engine: str
 
-    ENGINES = {1: "bf16", 2: "amx", 3: "avx2"}  # the platform's gemm_isa numbering
-    ACTIVATIONS = {"bf16": torch.bfloat16, "amx": torch.bfloat16, "avx2": torch.float32}  # what each engine takes
+    ENGINES = {1: "bf16", 2: "amx", 3: "avx2", 4: "vnni"}  # the platform's gemm_isa numbering
+    # what each engine takes
+    ACTIVATIONS = {"bf16": torch.bfloat16, "amx": torch.bfloat16, "avx2": torch.float32, "vnni": torch.bfloat16}
 
     @staticmethod
     def supports(weight: QuantizedWeight) -> bool:

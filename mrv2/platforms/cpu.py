@@ -35,7 +35,7 @@ def _cpuinfo() -> dict[str, str]:
 
 GEMV_ISAS = {1: "AVX2", 2: "AVX512-VNNI"}  # CpuPlatform.gemv_isa's numbering, as the kernels take it
 ATTENTION_ISAS = {1: "AVX2", 2: "AVX-512 with AVX512-BF16"}  # CpuPlatform.attention_isa's numbering
-GEMM_ISAS = {1: "AVX512-BF16", 2: "AMX", 3: "AVX2 int8"}  # CpuPlatform.gemm_isa's numbering
+GEMM_ISAS = {1: "AVX512-BF16", 2: "AMX", 3: "AVX2 int8", 4: "AVX512-VNNI int8"}  # CpuPlatform.gemm_isa's numbering
 DENSE_GEMV_ISAS = {1: "AVX2", 2: "AVX-512"}  # CpuPlatform.dense_gemv_policy's numbering
 
 
@@ -137,8 +137,9 @@ class CpuPlatform(Platform):
         failed = self.kernels_missing()
         gemm = self.gemm_isa(dtype) if failed is None else 0
         if gemm:
-            rows = {2: self.int4_max_rows_amx, 1: self.int4_max_rows_bf16_gemm, 3: self.int4_max_rows_avx2_gemm}[gemm]
-            how = ("integer products, the activations quantized to int8 per block" if gemm == 3 else
+            rows = {2: self.int4_max_rows_amx, 1: self.int4_max_rows_bf16_gemm, 3: self.int4_max_rows_avx2_gemm,
+                    4: self.int4_max_rows_vnni_gemm}[gemm]
+            how = ("integer products, the activations quantized to int8 per block" if gemm in (3, 4) else
                    "weights dequantized a tile at a time in cache")
             return QuantPolicy(rows, 0, isa, gemm_isa=gemm), (
                 f"mrv2's GGUF block GEMV ({GEMV_ISAS[isa]}) for {_up_to_rows(rows)}, its block GEMM "
@@ -186,6 +187,12 @@ class CpuPlatform(Platform):
     # 36.9 ms against dense 15.8 / 14.2 / 17.6 / 16.3 / 45.2 at 2 / 4 / 8 / 16 / 64 rows; against the
     # block GEMV 5.5 / 5.6 / 6.1 / 6.0 ms vs 5.2 / 5.1 / 6.6 / 7.7 at 1 / 2 / 3 / 4 rows.
     int4_max_rows_bf16_gemm = 2
+    # The same tiles unpacked to bytes for AVX512-VNNI integer products, the activations quantized to int8 per
+    # block (`cpu_kernels/gguf_gemm_vnni.cpp`; 2 vCPU Zen 4, same 30 layers and the Q8_0 LM head, 9 alternating
+    # rounds): 6.1 / 6.4 / 6.9 / 7.3 / 9.8 / 13.5 / 34.8 ms against the block GEMV's 5.4 / 5.6 / 6.9 / 8.0 / 14.0
+    # / 29.4 / 97.2 and the bf16 GEMM's 7.3 / 7.3 / 7.6 / 8.1 / 10.7 / 15.2 / 43.7 at 1 / 2 / 3 / 4 / 8 / 16 / 64
+    # rows. So it takes batches from 3 rows on.
+    int4_max_rows_vnni_gemm = 2
 
     def has_amx(self) -> bool:
         """Whether the CPU has AMX with bf16 tiles (and AVX-512-BF16 for the dequantization)."""
@@ -198,7 +205,8 @@ class CpuPlatform(Platform):
 
     def gemm_isa(self, dtype: torch.dtype = torch.bfloat16) -> int:
         """The block GEMM's instruction set for batches of `dtype` in this process. bf16: 2 AMX (where the OS also
-        grants the tile data), 1 AVX512-BF16 dot products; float32 on CPUs without native bf16 (where it is
+        grants the tile data), 4 AVX512-VNNI integer products (activations quantized to int8 per block), 1 AVX512-BF16
+        dot products where there is no VNNI; float32 on CPUs without native bf16 (where it is
         dtype="auto"'s): 3 AVX2 integer products (elsewhere float32 keeps the block GEMV, whose int16 codes are
         finer); 0 none (dense GEMMs on a dequantized copy there)."""
         if self.kernels_missing() is not None:
@@ -209,8 +217,10 @@ class CpuPlatform(Platform):
             return 0
         if self.has_amx() and torch.ops.mrv2_gguf.amx_ready():
             return 2
-        # Every CPU with AMX has AVX512-BF16: where its tiles are not granted, the dot products run.
-        return 1 if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= self.flags else 0
+        # Every CPU with AMX has AVX512-BF16 and VNNI: where its tiles are not granted, the integer products run.
+        if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= self.flags:
+            return 0
+        return 4 if "avx512_vnni" in self.flags else 1
 
     def kernels_missing(self) -> str | None:
         """Why mrv2's C++ kernels (`cpu_kernels/`) cannot run in this process; None: they are loaded."""

@@ -12,45 +12,13 @@ import torch
 from mrv2.config import QuantPolicy
 from mrv2.layers.quantization import BlockGemv, GemmTiles, quantized_matmul
 from mrv2.platforms.cpu import CpuPlatform
-from quant_helpers import quantized
+from quant_helpers import check_int8_product, quantized
 
 PLATFORM = CpuPlatform()
 AVX2 = 3  # CpuPlatform.gemm_isa's number for it
 pytestmark = [pytest.mark.usefixtures("split_threads"),
               pytest.mark.skipif(PLATFORM.kernels_missing() is not None,
                                  reason="the AVX2 block GEMM needs AVX2, FMA, F16C and its kernels built")]
-
-
-def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x's values as the kernel quantizes them (int8 codes per 32-value block, scale max |x| / 127), and each
-    block's scale. In its float32 steps, so that values near halfway between two codes round as the kernel's do:
-    x times 127 / max |x| (a division: torch's `127 / t` multiplies by t's reciprocal, an ulp away at times),
-    rounded half to even."""
-    blocks = x.view(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)
-    codes = torch.round(blocks * inv)
-    scale = amax / 127
-    return (codes * scale).view_as(x), scale.squeeze(-1)
-
-
-def _check(weight, x: torch.Tensor, got: torch.Tensor) -> None:
-    w = weight.dequantize(torch.float32).double()
-    n, k = w.shape
-    quantized_x, scale = _int8_blocks(x)
-    want = quantized_x.double() @ w.t()
-    coded = w  # the part of each weight its code carries: d * q
-    if weight.mins is not None or weight.qtype == "Q4_0":  # a Q4 block's min multiplies x's exact sum
-        mins = -8 * weight.scales.double() if weight.qtype == "Q4_0" else weight.mins.double()
-        sums = lambda t: t.double().view(t.shape[0], -1, 32).sum(-1)  # noqa: E731
-        want += (sums(x) - sums(quantized_x)) @ mins.t()
-        coded = w - mins.repeat_interleave(32, dim=1)
-    # The kernel's arithmetic on those codes: integer sums, scaled once a block in fp32.
-    assert (got.double() - want).abs().max() <= want.abs().max() * 2 ** -18
-    # Against the exact product: at most half a step of x's codes a value, times what the codes carry.
-    exact = x.double() @ w.t()
-    bound = (scale.double() / 2) @ coded.abs().view(n, k // 32, 32).sum(-1).t()
-    assert ((got.double() - exact).abs() <= bound * (1 + 2 ** -10) + exact.abs().max() * 2 ** -18).all()
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
@@ -63,7 +31,7 @@ def test_gemm_is_the_int8_activations_product_within_their_rounding(qtype, rows)
     x = torch.randn(rows, 256) * torch.logspace(-2, 1, 256)  # blocks of different magnitudes
     got = gemm.tiles(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 48)
-    _check(weight, x, got)
+    check_int8_product(weight, x, got)
 
 
 def test_the_default_models_layer_shapes_and_zero_blocks():
@@ -74,7 +42,7 @@ def test_the_default_models_layer_shapes_and_zero_blocks():
         x[5, :32] = 0
         got = BlockGemv(weight, PLATFORM.gemv_isa(), AVX2, gemv_rows=4)(x)
         assert torch.equal(got[3], torch.zeros(n))
-        _check(weight, x, got)
+        check_int8_product(weight, x, got)
 
 
 def test_strided_rows_are_read_as_they_lie():

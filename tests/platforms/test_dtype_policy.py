@@ -84,8 +84,9 @@ SAPPHIRE_RAPIDS = VNNI | {"avx512_bf16", "amx_tile", "amx_bf16"}
     (SAPPHIRE_RAPIDS, torch.bfloat16, "auto"),
     (SAPPHIRE_RAPIDS, torch.bfloat16, "gguf"),
     (SAPPHIRE_RAPIDS, torch.float32, "gguf"),  # fp32 activations with native bf16: the GEMV's finer int16 codes
-    (SAPPHIRE_RAPIDS - {"amx_bf16"}, torch.bfloat16, "auto"),  # AVX512-BF16 left: dot products
-    (VNNI | {"avx512_bf16"}, torch.bfloat16, "auto"),  # Zen 4
+    (SAPPHIRE_RAPIDS - {"amx_bf16"}, torch.bfloat16, "auto"),  # no AMX: VNNI integer products
+    (VNNI | {"avx512_bf16"}, torch.bfloat16, "auto"),  # Zen 4: VNNI integer products
+    (VNNI - {"avx512_vnni"} | {"avx512_bf16"}, torch.bfloat16, "auto"),  # AVX512-BF16 without VNNI: dot products
     (VNNI | {"avx512_bf16"}, torch.float32, "auto"),
     (VNNI, torch.bfloat16, "auto"),  # AVX-512 without BF16: dense GEMMs on a copy
     (ZEN3, torch.bfloat16, "gguf"),  # bf16 by name without native bf16: neither GEMM
@@ -93,8 +94,8 @@ SAPPHIRE_RAPIDS = VNNI | {"avx512_bf16", "amx_tile", "amx_bf16"}
 ])
 def test_block_gemm_follows_cpu_flags_and_dtype(flags, dtype, quantization):
     """Larger batches run on the block GEMM (no dense copy): bf16 activations on AMX where the flags name
-    AMX-BF16 and the process may use AMX tiles (which only a CPU with AMX grants), else with AVX512-BF16 dot
-    products where the flags name them; float32 activations without native bf16 with AVX2 integer products;
+    AMX-BF16 and the process may use AMX tiles (which only a CPU with AMX grants), else where the flags name
+    AVX512-BF16 with AVX512-VNNI integer products, or without VNNI AVX512-BF16 dot products; float32 activations without native bf16 with AVX2 integer products;
     as before elsewhere."""
     from mrv2.platforms.cpu_kernels import load_cpu_kernels
 
@@ -102,14 +103,15 @@ def test_block_gemm_follows_cpu_flags_and_dtype(flags, dtype, quantization):
     policy, why = platform.quant_policy(dtype, quantization)
     loaded = load_cpu_kernels() is None
     amx = platform.has_amx() and dtype == torch.bfloat16 and loaded and torch.ops.mrv2_gguf.amx_ready()
-    dot = not amx and "avx512_bf16" in flags and dtype == torch.bfloat16 and loaded
+    bf16 = not amx and "avx512_bf16" in flags and dtype == torch.bfloat16 and loaded
+    vnni, dot = bf16 and "avx512_vnni" in flags, bf16 and "avx512_vnni" not in flags
     assert platform.has_amx() == ("amx_bf16" in flags)
     avx2 = dtype == torch.float32 and not platform.supports_native_bf16() and loaded
-    assert policy.gemm_isa == (2 if amx else 1 if dot else 3 if avx2 else 0) and policy.uses_int4
+    assert policy.gemm_isa == (2 if amx else 4 if vnni else 1 if dot else 3 if avx2 else 0) and policy.uses_int4
     assert ("block GEMM (AMX)" in why) == amx and ("block GEMM (AVX512-BF16)" in why) == dot
-    assert ("block GEMM (AVX2 int8)" in why) == avx2
-    if amx or dot or avx2:  # the tiles serve every batch but the GEMV's few rows: no dense copy
-        rows = CpuPlatform.int4_max_rows_avx2_gemm if avx2 else 1 if amx else 2
+    assert ("block GEMM (AVX512-VNNI int8)" in why) == vnni and ("block GEMM (AVX2 int8)" in why) == avx2
+    if amx or bf16 or avx2:  # the tiles serve every batch but the GEMV's few rows: no dense copy
+        rows = {2: 1, 4: CpuPlatform.int4_max_rows_vnni_gemm, 1: 2, 3: CpuPlatform.int4_max_rows_avx2_gemm}[policy.gemm_isa]
         assert policy.dense_budget == 0 and policy.int4_max_rows == rows
 
 

@@ -25,7 +25,7 @@ SOURCE_FILES = tuple(sorted(p for p in _SOURCES.iterdir() if p.suffix in (".cpp"
 def load_cpu_kernels() -> str | None:
     """Build (once per machine) and load the kernels: the GGUF block GEMVs (`torch.ops.mrv2_gguf.q4_gemv`,
     `q8_gemv`), the GGUF block GEMMs on AMX (`q4_gemm_amx`, `q8_gemm_amx`, which run where `amx_ready()`), on
-    AVX512-BF16 (`q4_gemm_bf16`, `q8_gemm_bf16`) and, for float32 activations, on AVX2 (`q4_gemm_avx2`,
+    AVX512-BF16 (`q4_gemm_bf16`, `q8_gemm_bf16`), on AVX512-VNNI (`q4_gemm_vnni`, `q8_gemm_vnni`) and, for float32 activations, on AVX2 (`q4_gemm_avx2`,
     `q8_gemm_avx2`), and paged decode attention (`torch.ops.mrv2.paged_decode_attention`, and
     `paged_decode_attention_with_kv`, which first writes the step's keys and values), and the dense fp32
     GEMV for a few rows (`torch.ops.mrv2.dense_gemv`); None when loaded, else why not. They need AVX2,
@@ -35,7 +35,8 @@ def load_cpu_kernels() -> str | None:
         from torch.utils.cpp_extension import load
         # -fopenmp: at::parallel_for splits rows over torch's OpenMP threads (its own libgomp,
         # already loaded, serves the calls).
-        files = ("gguf_gemv.cpp", "gguf_gemm.cpp", "gguf_gemm_avx2.cpp", "paged_attention.cpp", "dense_gemv.cpp")
+        files = ("gguf_gemv.cpp", "gguf_gemm.cpp", "gguf_gemm_vnni.cpp", "gguf_gemm_avx2.cpp", "paged_attention.cpp",
+                 "dense_gemv.cpp")
         load(name="mrv2_cpu_kernels", sources=[str(_SOURCES / f) for f in files],
              extra_cflags=["-O3", "-fopenmp"],
              extra_ldflags=["-fopenmp"], is_python_module=False)
@@ -62,7 +63,7 @@ def _register_fakes() -> None:
     def _q8(x, codes, scales, isa, out_dtype=None):
         return x.new_empty(x.shape[0], codes.shape[0], dtype=out_dtype or x.dtype)
 
-    for engine in ("amx", "bf16", "avx2"):
+    for engine in ("amx", "bf16", "vnni", "avx2"):
         @torch.library.register_fake(f"mrv2_gguf::q4_gemm_{engine}")
         def _q4_gemm(x, codes, scales, mins, out_dtype=None, gated=False):
             return _gemm_out(x, scales, out_dtype, gated)

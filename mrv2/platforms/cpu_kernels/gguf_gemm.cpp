@@ -2,7 +2,8 @@
 // each 16-column by 32-row tile of them is dequantized to bf16 in cache, exactly as a dense bf16 copy of
 // the dequantized weights holds them, then multiplied with the activations, summing in fp32: by the AMX
 // tile unit on CPUs with AMX (Intel Sapphire Rapids and later, `*_gemm_amx`), by AVX512-BF16 dot
-// products elsewhere (AMD Zen 4, `*_gemm_bf16`).
+// products elsewhere (`*_gemm_bf16`; where AVX512-VNNI is there too, as on AMD Zen 4, the platform picks the
+// integer products of `gguf_gemm_vnni.cpp` over the same tiles).
 //
 // A dense bf16 copy streams four times the bytes of Q4 weights from memory on every step; here the
 // tiles are dequantized once per call, whatever the rows, and reused by every row of x.
@@ -29,10 +30,7 @@
 
 namespace {
 
-constexpr int64_t kTileN = 16;  // output columns of a weight tile
-constexpr int64_t kTileK = 32;  // input features of a weight tile (bf16 pairs in 16 rows)
 constexpr int64_t kTileM = 16;  // rows of x a tile multiplies
-constexpr int64_t kTileElems = kTileN * kTileK;
 
 // Linux lets a process use AMX's tile data only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); the permission holds for every thread of the process.
@@ -54,6 +52,8 @@ struct alignas(64) TileConfig {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+
+#include "gemm_tiles.inc"
 
 // Tiles 0-3: fp32 sums of two row tiles by two column tiles; 4-5: row tiles of x; 6-7: weight tiles.
 // Every tile is 16 rows of 64 bytes.
@@ -83,19 +83,11 @@ inline void store_row(uint16_t* dst, __m512 w_lo, __m512 w_hi) {
   _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w_hi, w_lo)));
 }
 
-// Tiles are read in order, a few hundred bytes each: too short a stream for the hardware prefetchers,
-// so each tile touches the lines this far ahead (8 Q4 tiles; measured 94 against 217 cycles a tile
-// with weights from memory, as fast as from cache).
-constexpr int64_t kPrefetchBytes = 2048;
-
 // One weight tile (16 columns x 32 features) into `dst` as AMX's B operand: 16 rows of 32 bf16.
 template <bool kQ4>
 inline void dequantize_tile(const uint8_t* codes, const uint16_t* d16, const uint16_t* m16, uint16_t* dst) {
   constexpr int64_t kCodeBytes = kQ4 ? kTileElems / 2 : kTileElems;
-  constexpr int64_t kScaleAhead = kPrefetchBytes * kTileN * 2 / kCodeBytes;  // the same tiles' scales
-  for (int64_t i = 0; i < kCodeBytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(codes) + kPrefetchBytes + i, _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(d16) + kScaleAhead, _MM_HINT_T0);
-  if constexpr (kQ4) _mm_prefetch(reinterpret_cast<const char*>(m16) + kScaleAhead, _MM_HINT_T0);
+  prefetch_tiles_ahead(codes, kCodeBytes, d16, m16);
   __m512 d_lo, d_hi, m_lo = _mm512_setzero_ps(), m_hi = _mm512_setzero_ps();
   column_pairs(d16, d_lo, d_hi);
   if constexpr (kQ4) column_pairs(m16, m_lo, m_hi);
@@ -117,80 +109,6 @@ inline void dequantize_tile(const uint8_t* codes, const uint16_t* d16, const uin
     store_row(dst + 32 * r, w_lo, w_hi);
   }
 }
-
-// A 16 x 16 fp32 tile of sums to rows [m, m + rows) of `out` ([., N], bf16 rounded or fp32 as summed)
-// at column n.
-inline void store_sums(const float* sums, int64_t rows, at::BFloat16* out, int64_t N, int64_t m, int64_t n) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(sums + 16 * i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + i) * N + n), reinterpret_cast<__m256i>(v));
-  }
-}
-inline void store_sums(const float* sums, int64_t rows, float* out, int64_t N, int64_t m, int64_t n) {
-  for (int64_t i = 0; i < rows; ++i) _mm512_storeu_ps(out + (m + i) * N + n, _mm512_loadu_ps(sums + 16 * i));
-}
-
-// exp(x) for fp32 lanes, within 1 ulp: e^x = 2^n e^r with n = round(x log2 e) and r = x - n ln 2 (ln 2 in
-// two parts, so r keeps its low bits), e^r in [-ln 2 / 2, ln 2 / 2] by its Taylor series to degree 7, scaled
-// by vscalefps. Cheaper than SLEEF's exp, which Inductor's SwiGLU kernel calls.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.4286068202862268e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// silu(g) * u = g / (1 + e^-g) * u.
-inline __m512 silu_times(__m512 g, __m512 u) {
-  const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
-  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
-}
-
-inline __m512 bf16_rounded(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
-
-// SwiGLU of a gate tile's and an up tile's sums (16 x 16 fp32 each) to rows [m, m + rows) of `out` at
-// column n: silu(gate) * up. For bf16 out, gate and up are rounded to bf16 first, as the unfused
-// product hands them to the activation, which computes in fp32 and rounds once.
-inline void store_gated(const float* gates, const float* ups, int64_t rows, at::BFloat16* out, int64_t N, int64_t m,
-                        int64_t n) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const __m512 v = silu_times(bf16_rounded(_mm512_loadu_ps(gates + 16 * i)), bf16_rounded(_mm512_loadu_ps(ups + 16 * i)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + i) * N + n), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-  }
-}
-inline void store_gated(const float* gates, const float* ups, int64_t rows, float* out, int64_t N, int64_t m, int64_t n) {
-  for (int64_t i = 0; i < rows; ++i) {
-    _mm512_storeu_ps(out + (m + i) * N + n, silu_times(_mm512_loadu_ps(gates + 16 * i), _mm512_loadu_ps(ups + 16 * i)));
-  }
-}
-
-// Which column tiles a unit of work multiplies together. A plain product takes neighbours (t, t + 1), then
-// (t + 2, t + 3). A gated one (`gated` > 0) takes column t of the first half of the weight's columns
-// (SwiGLU's gates) with column t + gated of the second (the values they gate, as `gate_up_proj` stacks
-// them), then t + 1, and writes silu(gate) * up: [rows, gated * 16] instead of [rows, N].
-struct ColumnPairs {
-  int64_t gated;  // tiles in each half of a gated weight; 0: a plain product
-
-  int64_t partner() const { return gated ? gated : 1; }  // from a pair's first column tile to its second
-  int64_t step() const { return gated ? 1 : 2; }         // from one pair's first column tile to the next's
-  bool two(int64_t t, int64_t t1) const { return gated || t + 1 < t1; }
-  // Weight tile j of the pair starting at column tile t (kt tiles a column): features (j % kt) * 32 on of its
-  // first column (j < kt) or its second; the codes hold a column's tiles after the previous column's.
-  int64_t tile(int64_t t, int64_t j, int64_t kt) const { return (j < kt ? t : t + partner()) * kt + j % kt; }
-  // Units of work (pairs) of a weight of `tiles` column tiles, and the first column tile of unit p (`tiles` past the last).
-  int64_t units(int64_t tiles) const { return gated ? tiles / 2 : (tiles + 1) / 2; }
-  int64_t first(int64_t p, int64_t tiles) const { return std::min(p * step(), tiles); }
-};
 
 // out[:, column tiles [t0, t1)] for x [M, K] (M a multiple of 16; the first `rows` are real). Two
 // column tiles at a time, all K of them dequantized into one half of `scratch` while the tile unit
@@ -349,18 +267,7 @@ void gemm_columns_bf16(const at::BFloat16* x, int64_t rows, int64_t K, const uin
 void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t tile_bytes,
            at::ScalarType code_type, bool amx) {
   TORCH_CHECK(!amx || request_amx(), "this CPU or kernel gives no AMX tile data to the process");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "x must be a contiguous bfloat16 [rows, in_features] tensor");
-  const int64_t K = x.size(1);
-  TORCH_CHECK(K % kTileK == 0, "in_features must be a multiple of ", kTileK, ", got ", K);
-  TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.scalar_type() == code_type &&
-                  codes.size(1) == K / kTileK && codes.size(2) == 16 && codes.size(3) * codes.element_size() ==
-                  tile_bytes / 16,
-              "codes must be contiguous [out_features / 16, ", K / kTileK, ", 16, ", tile_bytes / 16,
-              " bytes] of ", code_type, ", got ", codes.sizes(), " of ", codes.scalar_type());
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({codes.size(0), codes.size(1), kTileN}),
-              "scales must be contiguous fp16 [out_features / 16, ", K / kTileK, ", 16], got ", scales.sizes());
+  check_tiles(x, codes, scales, tile_bytes, code_type);
 }
 
 template <bool kQ4, typename Out>
@@ -399,13 +306,6 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tenso
     }
   });
   return out;
-}
-
-// The sums in `out_dtype`: bf16 (x's, rounded once, as a dense bf16 product is) or fp32 as summed.
-bool fp32_out(std::optional<at::ScalarType> out_dtype) {
-  const auto out = out_dtype.value_or(at::kBFloat16);
-  TORCH_CHECK(out == at::kBFloat16 || out == at::kFloat, "out_dtype must be bfloat16 or float32, got ", out);
-  return out == at::kFloat;
 }
 
 at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,

@@ -6,8 +6,8 @@
 // On such a CPU an fp32 GEMM retires 16 multiply-adds a cycle a core (two 8-lane FMAs) and `vpmaddwd`
 // as many (one 16-lane instruction); `vpmaddubsw` multiplies 32 bytes at once. int16 codes, as fine as the
 // block GEMV's, would need `vpmaddwd` for every product: that variant measured only 1.11x oneDNN's fp32
-// GEMM at 64 rows there, this one 2.19x. On AVX512-VNNI (Zen 4) the same scheme with int16 codes split
-// into two bytes for `vpdpbusd` took 1.8x the AVX512-BF16 GEMM's time (`gguf_gemm.cpp`), which stays there.
+// GEMM at 64 rows there, this one 2.19x. On AVX512-VNNI (Zen 4) int16 codes split into two bytes for
+// `vpdpbusd` took 1.8x the AVX512-BF16 GEMM's time (`gguf_gemm.cpp`); int8 codes there are `gguf_gemm_vnni.cpp`.
 //
 // Weights are laid out at load (`mrv2.layers.quantization.GemmTiles`, engine "avx2"): for each strip of 8
 // output columns n and block of 32 input features, 8 groups of four features, each 8 columns by 4 codes:
