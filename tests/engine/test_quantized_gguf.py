@@ -47,7 +47,8 @@ def _linears(llm):
 
 
 def _tiled(llm) -> bool:
-    """Whether larger batches run on the block GEMM (CPUs with AMX or AVX512-BF16): no dense copy then."""
+    """Whether larger batches run on the block GEMM (CPUs with AMX or AVX512-BF16, with or without VNNI): no dense
+    copy then."""
     return llm.engine.runner.platform.gemm_isa() > 0
 
 
@@ -88,12 +89,12 @@ def test_int4_steps_and_packed_steps_replay_compiled_pieces(engines):
     runner = engines["auto"].engine.runner
     graphs = runner.graphs
     # The default graphs: compiled pieces for steps the block GEMV runs (single rows where the AMX GEMM
-    # serves more, 2 where the AVX512-BF16 GEMM does, up to 4 where oneDNN packs the dense copy, 8 elsewhere)
+    # serves more, 2 where the AVX512-VNNI or AVX512-BF16 GEMM does, up to 4 where oneDNN packs the dense copy, 8 elsewhere)
     # and, where the block GEMM or the packed copy serves larger steps, for the row buckets up to 64.
     gemm = runner.platform.gemm_isa()
-    amx = gemm > 0  # the block GEMM's tiles, on AMX or AVX512-BF16
+    amx = gemm > 0  # the block GEMM's tiles, on AMX, AVX512-VNNI or AVX512-BF16
     rows, packs = runner.model.int4_rows(), runner.platform.supports_native_bf16() and not amx
-    assert rows == ({2: 1, 1: 2}[gemm] if amx else 4 if packs else 8)
+    assert rows == ({2: 1, 4: 2, 1: 2}[gemm] if amx else 4 if packs else 8)
     # The dequantized model: a decode of one request compiled whole where attention allows it, nothing else.
     dense = engines[None].engine.runner
     if dense.attn_backend.compiled_decode_graphs:
@@ -123,19 +124,26 @@ def test_int4_steps_and_packed_steps_replay_compiled_pieces(engines):
 def test_quantized_scores_are_as_close_to_fp32_as_bf16_is(engines, exact):
     ids = engines[None].get_tokenizer()(TEXT)["input_ids"]
     ref = exact.engine.runner.target_logprobs(ids)
-    bf16 = engines[None].engine.runner.target_logprobs(ids)
+    bf16 = (engines[None].engine.runner.target_logprobs(ids) - ref).abs().mean()
     int4 = engines["gguf"].engine.runner.target_logprobs(ids)  # the quantized kernels at every size
+    auto = engines["auto"].engine.runner.target_logprobs(ids)
+    if engines["auto"].engine.runner.platform.gemm_isa() == 4:
+        # The prompt's rows on the VNNI GEMM, the activations quantized to int8 per block as llama.cpp's are
+        # (and vLLM's CPU int4 kernels, IPEX's lowp_mode INT8): measured on Zen 4, 0.212 mean absolute logprob
+        # error against fp32, bf16's 0.042 (perplexity of tools/eval_text.txt: 32.098 against 31.290).
+        assert (int4 - ref).abs().mean() <= 8 * bf16 and torch.equal(auto, int4)
+        return
     # Measured (Zen 4): bf16 0.042, the block GEMV 0.047 (torch's int4 kernel: 0.055) mean absolute
     # logprob error against fp32.
-    assert (int4 - ref).abs().mean() <= 2 * (bf16 - ref).abs().mean()
-    auto = engines["auto"].engine.runner.target_logprobs(ids)
+    assert (int4 - ref).abs().mean() <= 2 * bf16
     if _tiled(engines["auto"]):
         # The GEMM's tiles hold the dense copy's bf16 weights; the fp32 sums' order differs from oneDNN's, and
         # 30 layers of bf16 activations carry that as far as bf16's own rounding (Sapphire Rapids: 0.044
-        # mean absolute logprob difference from the dense copy; from fp32: bf16 0.056, the AMX GEMM 0.045).
-        assert (auto - ref).abs().mean() <= 1.5 * (bf16 - ref).abs().mean()
+        # mean absolute logprob difference from the dense copy; from fp32: bf16 0.056, the AMX GEMM 0.045; Zen 4,
+        # the AVX512-BF16 GEMM: 0.045).
+        assert (auto - ref).abs().mean() <= 1.5 * bf16
     else:  # "auto" scores this many rows through its dense copy: the dequantized model exactly
-        assert torch.equal(auto, bf16)
+        assert torch.equal(auto, engines[None].engine.runner.target_logprobs(ids))
 
 
 def test_quantized_greedy_decode_agrees_with_the_dequantized_model(engines):
