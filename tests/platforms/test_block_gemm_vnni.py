@@ -86,15 +86,13 @@ def test_compiled_code_calls_the_kernel():
 
 
 def test_bad_operands_name_the_problem():
+    # The operands' checks are the bf16 GEMM's (`gemm_tiles.inc`, tested in test_block_gemm.py): here, that these
+    # ops make them.
     weight, _ = quantized("Q4_1", 32, 64)
     tiles = _gemm(weight).tiles
     q4, q8 = torch.ops.mrv2_gguf.q4_gemm_vnni, torch.ops.mrv2_gguf.q8_gemm_vnni
-    with pytest.raises(RuntimeError, match="bfloat16"):
+    with pytest.raises(RuntimeError, match="x must be a contiguous bfloat16"):
         q4(torch.randn(16, 64), tiles.codes, tiles.scales, tiles.mins)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        q4(torch.randn(16, 48).bfloat16(), tiles.codes, tiles.scales, tiles.mins)
-    with pytest.raises(RuntimeError, match="scales must be"):
-        q4(torch.randn(16, 64).bfloat16(), tiles.codes, tiles.scales[:1], tiles.mins)
     with pytest.raises(RuntimeError, match="mins must be shaped and typed like scales"):
         q4(torch.randn(16, 64).bfloat16(), tiles.codes, tiles.scales, tiles.mins[:1])
     with pytest.raises(RuntimeError, match="codes must be"):
