@@ -28,7 +28,11 @@ class ModelConfig:
     becomes of a GGUF file's quantized tensors: "auto" keeps them quantized where the
     platform has a fast kernel for them (int4 kernels for small batches, plus a dense
     copy for larger ones if it fits a quarter of free memory), "gguf" keeps them
-    quantized without a dense copy, None (or "none") dequantizes them. `batch_invariant`
+    quantized without a dense copy, None (or "none") dequantizes them. `int8_activations` lets the
+    kernels for batches of rows on kept-quantized weights quantize the activations to int8 per
+    32-value block where that is faster (AVX512-VNNI; AVX2 for float32 activations), as llama.cpp
+    does and vLLM's CPU int4 kernels (IPEX's lowp_mode INT8): False keeps bf16 (or float32)
+    activations, finer and slower. `batch_invariant`
     makes a request's logits bitwise independent of the batch it runs in (batch size,
     chunking, preemption, cache hits) at a cost in speed: matmuls in fixed row tiles,
     attention in fixed-shape tiles over max_model_len keys, dense weights
@@ -43,6 +47,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     quantization: str | None = "auto"
+    int8_activations: bool = True
     batch_invariant: bool = False
     attention_backend: str | None = None
 

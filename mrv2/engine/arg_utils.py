@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", choices=["auto", "gguf", "none"], default="auto",
                    help="a GGUF file's quantized tensors: auto: int4 kernels where fast (+ a dense copy for large "
                         "batches when it fits), gguf: int4 only, none: dequantize")
+    g.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=True,
+                   help="let the quantized weights' kernels for batches quantize activations to int8 per block "
+                        "where faster, as llama.cpp does (default: on; --no-int8-activations keeps bf16)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prefixes shared between requests (default: on)")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
@@ -85,7 +88,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 kv_cache_memory=args.kv_cache_memory, device=args.device, enforce_eager=args.enforce_eager,
                 graph_mode=args.graph_mode, graph_capture_sizes=_sizes(args.graph_capture_sizes),
                 graph_compile=args.graph_compile, async_scheduling=args.async_scheduling, seed=args.seed,
-                quantization=args.quantization, enable_prefix_caching=args.enable_prefix_caching,
+                quantization=args.quantization, int8_activations=args.int8_activations,
+                enable_prefix_caching=args.enable_prefix_caching,
                 batch_invariant=args.batch_invariant, speculative_config=args.speculative_config,
                 tensor_parallel_size=args.tensor_parallel_size,
                 distributed_executor_backend=args.distributed_executor_backend,

@@ -32,7 +32,7 @@ def engine_config(model: str | None = None, *, tokenizer: str | None = None, dty
                   device: str | None = None, graph_mode: str | None = None,
                   graph_capture_sizes: Sequence[int] | None = None, graph_compile: bool | None = None,
                   async_scheduling: bool | None = None, quantization: str | None = "auto",
-                  enable_prefix_caching: bool = True, batch_invariant: bool = False,
+                  int8_activations: bool = True, enable_prefix_caching: bool = True, batch_invariant: bool = False,
                   speculative_config: dict[str, Any] | None = None, tensor_parallel_size: int = 1,
                   distributed_executor_backend: str | None = None,
                   kv_transfer_config: dict[str, Any] | None = None,
@@ -43,7 +43,8 @@ def engine_config(model: str | None = None, *, tokenizer: str | None = None, dty
     kv_transfer = kv_transfer or kv_transfer_config is not None  # a connector registers the aligned cache
     return EngineConfig(
         model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                          quantization=quantization, batch_invariant=batch_invariant,
+                          quantization=quantization, int8_activations=int8_activations,
+                          batch_invariant=batch_invariant,
                           attention_backend=attention_backend),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                           memory_fraction=kv_cache_memory_fraction, layout=kv_cache_layout,
@@ -79,7 +80,8 @@ class LLM:
     step with the current step's compute
     (default: the platform's; see `mrv2 bench throughput`). `quantization` ("auto",
     "gguf" or None) keeps a GGUF file's quantized tensors quantized or dequantizes them
-    (see `ModelConfig`). `enable_prefix_caching` lets requests reuse the KV blocks of a
+    (see `ModelConfig`); `int8_activations=False` keeps the activations of kept-quantized weights' batch
+    kernels in bf16 (default: int8 per block where that is faster, as llama.cpp). `enable_prefix_caching` lets requests reuse the KV blocks of a
     prefix another request computed (vLLM's automatic prefix caching).
     `batch_invariant` makes each request's logprobs bitwise identical whatever batch,
     chunking or cache state it runs in, slower (see `ModelConfig`). `attention_backend`

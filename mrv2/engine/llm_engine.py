@@ -79,7 +79,8 @@ class LLMEngine:
         quant_policy = None
         if quantized_names(path):
             policy, why = self.platform.quant_policy(self.dtype, config.model.quantization,
-                                                     exact=config.model.dtype != "auto")
+                                                     exact=config.model.dtype != "auto",
+                                                     int8_activations=config.model.int8_activations)
             if config.model.batch_invariant and policy.uses_int4:
                 policy, why = replace(policy, int4_max_rows=0), "batch_invariant=True runs dense weights"
             if policy.uses_int4:

@@ -121,8 +121,8 @@ class CpuPlatform(Platform):
     # / 41.0 ms at batch 1, 22.4 / 42.4 at 2, 47.5 / 41.0 at 8.
     int4_max_rows_packed = 4
 
-    def quant_policy(self, dtype: torch.dtype, quantization: str | None,
-                     exact: bool = False) -> tuple[QuantPolicy, str]:
+    def quant_policy(self, dtype: torch.dtype, quantization: str | None, exact: bool = False,
+                     int8_activations: bool = True) -> tuple[QuantPolicy, str]:
         if quantization is None:
             return QuantPolicy(), "quantization=None was asked for"
         if exact and dtype == torch.float32 and quantization == "auto":
@@ -135,7 +135,7 @@ class CpuPlatform(Platform):
                  "and above (quantization='gguf': no dense copy)")
         isa = self.gemv_isa()
         failed = self.kernels_missing()
-        gemm = self.gemm_isa(dtype) if failed is None else 0
+        gemm = self.gemm_isa(dtype, int8_activations) if failed is None else 0
         if gemm:
             rows = {2: self.int4_max_rows_amx, 1: self.int4_max_rows_bf16_gemm, 3: self.int4_max_rows_avx2_gemm,
                     4: self.int4_max_rows_vnni_gemm}[gemm]
@@ -203,16 +203,17 @@ class CpuPlatform(Platform):
     # 9.9 / 11.7 / 17.7 / 22.4 ms against 7.2 / 11.1 / 29.1 / 41.2 at 1 / 4 / 8 / 16 rows.
     int4_max_rows_avx2_gemm = 4
 
-    def gemm_isa(self, dtype: torch.dtype = torch.bfloat16) -> int:
+    def gemm_isa(self, dtype: torch.dtype = torch.bfloat16, int8_activations: bool = True) -> int:
         """The block GEMM's instruction set for batches of `dtype` in this process. bf16: 2 AMX (where the OS also
         grants the tile data), 4 AVX512-VNNI integer products (activations quantized to int8 per block), 1 AVX512-BF16
         dot products where there is no VNNI; float32 on CPUs without native bf16 (where it is
         dtype="auto"'s): 3 AVX2 integer products (elsewhere float32 keeps the block GEMV, whose int16 codes are
-        finer); 0 none (dense GEMMs on a dequantized copy there)."""
+        finer); 0 none (dense GEMMs on a dequantized copy there). Without `int8_activations`, neither integer GEMM:
+        bf16 on the dot products, float32 on the GEMV and a dense copy."""
         if self.kernels_missing() is not None:
             return 0
         if dtype == torch.float32:
-            return 0 if self.supports_native_bf16() else 3
+            return 0 if self.supports_native_bf16() or not int8_activations else 3
         if dtype != torch.bfloat16:
             return 0
         if self.has_amx() and torch.ops.mrv2_gguf.amx_ready():
@@ -220,7 +221,7 @@ class CpuPlatform(Platform):
         # Every CPU with AMX has AVX512-BF16 and VNNI: where its tiles are not granted, the integer products run.
         if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= self.flags:
             return 0
-        return 4 if "avx512_vnni" in self.flags else 1
+        return 4 if "avx512_vnni" in self.flags and int8_activations else 1
 
     def kernels_missing(self) -> str | None:
         """Why mrv2's C++ kernels (`cpu_kernels/`) cannot run in this process; None: they are loaded."""

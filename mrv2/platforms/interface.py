@@ -76,10 +76,11 @@ class Platform(ABC):
         return torch.float32, (f"dtype='auto': {self.name} has no native bf16 (emulated bf16 measured 1.5-4.5x "
                                f"slower than float32)")
 
-    def quant_policy(self, dtype: torch.dtype, quantization: str | None,
-                     exact: bool = False) -> tuple[QuantPolicy, str]:
+    def quant_policy(self, dtype: torch.dtype, quantization: str | None, exact: bool = False,
+                     int8_activations: bool = True) -> tuple[QuantPolicy, str]:
         """How quantized checkpoint weights run at `dtype`, and why (for the log). `exact`: float32
         asked for by name, the exact reference mode, which dequantizes unless quantization="gguf".
+        `int8_activations`: kernels may quantize activations to int8 per block where that is faster.
 
         The base platform has no quantized kernels: weights are dequantized.
         """

@@ -115,6 +115,22 @@ def test_block_gemm_follows_cpu_flags_and_dtype(flags, dtype, quantization):
         assert policy.dense_budget == 0 and policy.int4_max_rows == rows
 
 
+@pytest.mark.parametrize("flags,dtype,gemm_isa,name", [
+    (VNNI | {"avx512_bf16"}, torch.bfloat16, 1, "AVX512-BF16"),  # Zen 4: the dot products on bf16 activations
+    (ZEN3, torch.float32, 0, None),  # Zen 3: no integer GEMM; the block GEMV, and a dense copy for large batches
+])
+def test_int8_activations_false_keeps_the_activations_dtype(flags, dtype, gemm_isa, name):
+    from mrv2.platforms.cpu_kernels import load_cpu_kernels
+
+    if load_cpu_kernels() is not None:
+        pytest.skip("the block kernels did not build here")
+    platform = CpuPlatform(frozenset(flags))
+    assert platform.gemm_isa(dtype) in (3, 4)  # by default, int8 activations
+    policy, why = platform.quant_policy(dtype, "auto", int8_activations=False)
+    assert policy.gemm_isa == gemm_isa and policy.uses_int4 and "int8" not in why
+    assert (f"block GEMM ({name})" in why) if name else (policy.dense_budget > 0 and "block GEMM" not in why)
+
+
 INTEL, AMD = "GenuineIntel", "AuthenticAMD"
 
 
