@@ -31,8 +31,8 @@ class ModelConfig:
     quantized without a dense copy, None (or "none") dequantizes them. `int8_activations` lets the
     kernels for batches of rows on kept-quantized weights quantize the activations to int8 per
     32-value block where that is faster (AVX512-VNNI; AVX2 for float32 activations), as llama.cpp
-    does and vLLM's CPU int4 kernels (IPEX's lowp_mode INT8): False keeps bf16 (or float32)
-    activations, finer and slower. `batch_invariant`
+    does, and vLLM's GGUF kernels (Q8_1 activations) and CPU int4 kernels (IPEX's lowp_mode INT8):
+    False keeps bf16 (or float32) activations, finer and slower. `batch_invariant`
     makes a request's logits bitwise independent of the batch it runs in (batch size,
     chunking, preemption, cache hits) at a cost in speed: matmuls in fixed row tiles,
     attention in fixed-shape tiles over max_model_len keys, dense weights
