@@ -81,7 +81,8 @@ class LLM:
     (default: the platform's; see `mrv2 bench throughput`). `quantization` ("auto",
     "gguf" or None) keeps a GGUF file's quantized tensors quantized or dequantizes them
     (see `ModelConfig`); `int8_activations=False` keeps the activations of kept-quantized weights' batch
-    kernels in bf16 (default: int8 per block where that is faster, as llama.cpp). `enable_prefix_caching` lets requests reuse the KV blocks of a
+    kernels in bf16 (default: int8 per block where that is faster, as llama.cpp).
+    `enable_prefix_caching` lets requests reuse the KV blocks of a
     prefix another request computed (vLLM's automatic prefix caching).
     `batch_invariant` makes each request's logprobs bitwise identical whatever batch,
     chunking or cache state it runs in, slower (see `ModelConfig`). `attention_backend`

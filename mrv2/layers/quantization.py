@@ -155,7 +155,8 @@ class GemmTiles:
     "amx", "bf16" (`cpu_kernels/gguf_gemm.cpp`) and "vnni" (`cpu_kernels/gguf_gemm_vnni.cpp`), bf16
     activations: per tile of 16 output columns by 32 input features, 16 rows of bf16 pairs (features 2r,
     2r + 1 of each column), multiplied on AMX or with AVX512-BF16 dot products, or unpacked to bytes for
-    AVX512-VNNI integer products with the activations quantized to int8 per block. A tile row's lane 2n + p is feature 2r + p of column n. `codes`: Q4
+    AVX512-VNNI integer products with the activations quantized to int8 per block. A tile row's lane
+    2n + p is feature 2r + p of column n. `codes`: Q4
     [N / 16, K / 32, 16, 16] bytes (byte j: lane j in the low nibble, lane j + 16 in the high one), Q8_0
     [N / 16, K / 32, 16, 32] int8, lane by lane; `scales` (and `mins`) fp16 [N / 16, K / 32, 16].
 

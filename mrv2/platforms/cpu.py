@@ -205,8 +205,8 @@ class CpuPlatform(Platform):
 
     def gemm_isa(self, dtype: torch.dtype = torch.bfloat16, int8_activations: bool = True) -> int:
         """The block GEMM's instruction set for batches of `dtype` in this process. bf16: 2 AMX (where the OS also
-        grants the tile data), 4 AVX512-VNNI integer products (activations quantized to int8 per block), 1 AVX512-BF16
-        dot products where there is no VNNI; float32 on CPUs without native bf16 (where it is
+        grants the tile data), 4 AVX512-VNNI integer products (activations quantized to int8 per block), 1
+        AVX512-BF16 dot products where there is no VNNI; float32 on CPUs without native bf16 (where it is
         dtype="auto"'s): 3 AVX2 integer products (elsewhere float32 keeps the block GEMV, whose int16 codes are
         finer); 0 none (dense GEMMs on a dequantized copy there). Without `int8_activations`, neither integer GEMM:
         bf16 on the dot products, float32 on the GEMV and a dense copy."""

@@ -92,7 +92,8 @@ def test_int4_steps_and_packed_steps_replay_compiled_pieces(engines):
     runner = engines["auto"].engine.runner
     graphs = runner.graphs
     # The default graphs: compiled pieces for steps the block GEMV runs (single rows where the AMX GEMM
-    # serves more, 2 where the AVX512-VNNI or AVX512-BF16 GEMM does, up to 4 where oneDNN packs the dense copy, 8 elsewhere)
+    # serves more, 2 where the AVX512-VNNI or AVX512-BF16 GEMM does, up to 4 where oneDNN packs the dense copy,
+    # 8 elsewhere)
     # and, where the block GEMM or the packed copy serves larger steps, for the row buckets up to 64.
     gemm = runner.platform.gemm_isa()
     amx = gemm > 0  # the block GEMM's tiles, on AMX, AVX512-VNNI or AVX512-BF16

@@ -95,7 +95,8 @@ SAPPHIRE_RAPIDS = VNNI | {"avx512_bf16", "amx_tile", "amx_bf16"}
 def test_block_gemm_follows_cpu_flags_and_dtype(flags, dtype, quantization):
     """Larger batches run on the block GEMM (no dense copy): bf16 activations on AMX where the flags name
     AMX-BF16 and the process may use AMX tiles (which only a CPU with AMX grants), else where the flags name
-    AVX512-BF16 with AVX512-VNNI integer products, or without VNNI AVX512-BF16 dot products; float32 activations without native bf16 with AVX2 integer products;
+    AVX512-BF16 with AVX512-VNNI integer products, or without VNNI AVX512-BF16 dot products; float32
+    activations without native bf16 with AVX2 integer products;
     as before elsewhere."""
     from mrv2.platforms.cpu_kernels import load_cpu_kernels
 
@@ -111,7 +112,8 @@ def test_block_gemm_follows_cpu_flags_and_dtype(flags, dtype, quantization):
     assert ("block GEMM (AMX)" in why) == amx and ("block GEMM (AVX512-BF16)" in why) == dot
     assert ("block GEMM (AVX512-VNNI int8)" in why) == vnni and ("block GEMM (AVX2 int8)" in why) == avx2
     if amx or bf16 or avx2:  # the tiles serve every batch but the GEMV's few rows: no dense copy
-        rows = {2: 1, 4: CpuPlatform.int4_max_rows_vnni_gemm, 1: 2, 3: CpuPlatform.int4_max_rows_avx2_gemm}[policy.gemm_isa]
+        rows = {2: 1, 4: CpuPlatform.int4_max_rows_vnni_gemm, 1: 2,
+                3: CpuPlatform.int4_max_rows_avx2_gemm}[policy.gemm_isa]
         assert policy.dense_budget == 0 and policy.int4_max_rows == rows
 
 

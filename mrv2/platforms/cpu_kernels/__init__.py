@@ -25,10 +25,10 @@ SOURCE_FILES = tuple(sorted(p for p in _SOURCES.iterdir() if p.suffix in (".cpp"
 def load_cpu_kernels() -> str | None:
     """Build (once per machine) and load the kernels: the GGUF block GEMVs (`torch.ops.mrv2_gguf.q4_gemv`,
     `q8_gemv`), the GGUF block GEMMs on AMX (`q4_gemm_amx`, `q8_gemm_amx`, which run where `amx_ready()`), on
-    AVX512-BF16 (`q4_gemm_bf16`, `q8_gemm_bf16`), on AVX512-VNNI (`q4_gemm_vnni`, `q8_gemm_vnni`) and, for float32 activations, on AVX2 (`q4_gemm_avx2`,
-    `q8_gemm_avx2`), and paged decode attention (`torch.ops.mrv2.paged_decode_attention`, and
-    `paged_decode_attention_with_kv`, which first writes the step's keys and values), and the dense fp32
-    GEMV for a few rows (`torch.ops.mrv2.dense_gemv`); None when loaded, else why not. They need AVX2,
+    AVX512-BF16 (`q4_gemm_bf16`, `q8_gemm_bf16`), on AVX512-VNNI (`q4_gemm_vnni`, `q8_gemm_vnni`) and, for
+    float32 activations, on AVX2 (`q4_gemm_avx2`, `q8_gemm_avx2`), and paged decode attention
+    (`torch.ops.mrv2.paged_decode_attention`, and `paged_decode_attention_with_kv`, which first writes the
+    step's keys and values), and the dense fp32 GEMV for a few rows (`torch.ops.mrv2.dense_gemv`); None when loaded, else why not. They need AVX2,
     FMA and F16C (the caller checks the CPU's flags)."""
     start = time.perf_counter()
     try:
