@@ -28,8 +28,8 @@ def load_cpu_kernels() -> str | None:
     AVX512-BF16 (`q4_gemm_bf16`, `q8_gemm_bf16`), on AVX512-VNNI (`q4_gemm_vnni`, `q8_gemm_vnni`) and, for
     float32 activations, on AVX2 (`q4_gemm_avx2`, `q8_gemm_avx2`), and paged decode attention
     (`torch.ops.mrv2.paged_decode_attention`, and `paged_decode_attention_with_kv`, which first writes the
-    step's keys and values), and the dense fp32 GEMV for a few rows (`torch.ops.mrv2.dense_gemv`); None when loaded, else why not. They need AVX2,
-    FMA and F16C (the caller checks the CPU's flags)."""
+    step's keys and values), and the dense fp32 GEMV for a few rows (`torch.ops.mrv2.dense_gemv`); None when
+    loaded, else why not. They need AVX2, FMA and F16C (the caller checks the CPU's flags)."""
     start = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load

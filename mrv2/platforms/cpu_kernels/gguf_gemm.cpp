@@ -274,10 +274,8 @@ template <bool kQ4, typename Out>
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const uint16_t* mins,
                 bool amx, bool gated) {
   const int64_t rows = x_in.size(0), K = x_in.size(1), tiles = codes.size(0);
-  TORCH_CHECK(!gated || tiles % 2 == 0, "a gated product needs an even number of 16-column tiles (gates, then the "
-              "values they gate), got ", tiles);
-  const ColumnPairs pairs{gated ? tiles / 2 : 0};
-  const int64_t N = (gated ? tiles / 2 : tiles) * kTileN;  // out's columns
+  const ColumnPairs pairs = ColumnPairs::of(tiles, gated);
+  const int64_t N = pairs.out_columns(tiles);
   // AMX multiplies whole tiles of 16 rows: zeros below the real rows.
   const int64_t M = amx ? (rows + kTileM - 1) / kTileM * kTileM : rows;
   at::Tensor x = x_in;

@@ -236,10 +236,8 @@ template <bool kQ4, typename Out>
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const uint16_t* mins,
                 bool gated) {
   const int64_t rows = x.size(0), K = x.size(1), tiles = codes.size(0);
-  TORCH_CHECK(!gated || tiles % 2 == 0, "a gated product needs an even number of 16-column tiles (gates, then the "
-              "values they gate), got ", tiles);
-  const ColumnPairs pairs{gated ? tiles / 2 : 0};
-  const int64_t N = (gated ? tiles / 2 : tiles) * kTileN;
+  const ColumnPairs pairs = ColumnPairs::of(tiles, gated);
+  const int64_t N = pairs.out_columns(tiles);
   at::Tensor out = at::empty({rows, N}, x.options().dtype(c10::CppTypeToScalarType<Out>::value));
   if (rows == 0) return out;
   // Passes of even size (16 rows: two of 8, not 12 and 4).
