@@ -34,6 +34,13 @@ def quantized(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeigh
     return stored_weight(qtype, parts), ref
 
 
+def held_in_fp16(weight: QuantizedWeight) -> QuantizedWeight:
+    """`weight` with its scales and mins rounded to fp16, as the block kernels hold them (a change for Q4_K's
+    only: GGUF stores the other types' as fp16)."""
+    mins = None if weight.mins is None else weight.mins.half().float()
+    return QuantizedWeight(weight.qtype, weight.codes, weight.scales.half().float(), mins)
+
+
 def int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x's values as the integer GEMMs quantize them (int8 codes per 32-value block, scale max |x| / 127), and each
     block's scale. In their float32 steps, so that values near halfway between two codes round as theirs do:

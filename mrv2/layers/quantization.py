@@ -17,10 +17,11 @@ as `(q - 8) * scale + zero`:
 Scales and zeros are held in the activations' dtype, so effective weights equal the
 GGUF dequantization up to that dtype's rounding of the scales.
 
-`BlockGemv` runs Q4_0, Q4_1 and Q8_0 weights (and Q4_K whose scales fp16 holds exactly) on
-the platform's own block kernels (`torch.ops.mrv2_gguf`, loaded by the platform), which keep
-GGUF's blocks and fp16 scales as they are (one pass over the weights for Q8_0) and sum
-integer products with the activations quantized to int16 per block (a finer step than bf16).
+`BlockGemv` runs Q4_0, Q4_1, Q4_K and Q8_0 weights on the platform's own block kernels
+(`torch.ops.mrv2_gguf`, loaded by the platform), which keep GGUF's blocks and fp16 scales as
+they are (Q4_K's per-32 scales and mins rounded to fp16, 2^-11 of each at most; one pass over
+the weights for Q8_0) and sum integer products with the activations quantized to int16 per
+block (a finer step than bf16).
 Where the policy names a `gemm_isa`, batches of more rows run on the block GEMM over a second
 layout of the same codes (`GemmTiles`): on AMX and AVX512-BF16, bf16 activations times each tile
 dequantized to bf16 in cache, as a dense bf16 copy holds it, summed in fp32; on AVX2 CPUs without
@@ -314,6 +315,7 @@ def place_in_one_buffer(gemvs: list[BlockGemv], allocate: Callable[[int], torch.
 
 
 SCALE_TAIL = 8  # kScaleTail in cpu_kernels/gguf_gemv.cpp
+FP16_MIN_NORMAL = 2.0 ** -14
 
 
 def _flat_halves(t: torch.Tensor) -> torch.Tensor:
@@ -321,19 +323,24 @@ def _flat_halves(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(t.to(torch.float16).flatten(), (0, SCALE_TAIL)).contiguous()
 
 
-def _fp16_exact(t: torch.Tensor) -> bool:
-    """Every value finite and exact in fp16 (the kernel's loads past a row's end rely on finite values)."""
+def _fp16_holds(t: torch.Tensor) -> bool:
+    """Every value finite in fp16 and either exact there or normal (rounded to 11 significant bits, a relative
+    error of 2^-11 at most; the kernel's loads past a row's end rely on finite values)."""
     f = t.float()
-    return bool(torch.isfinite(f).all()) and bool(torch.equal(f.to(torch.float16).float(), f))
+    half = f.to(torch.float16).float()
+    return bool(torch.isfinite(half).all()) and bool(((half == f) | (f.abs() >= FP16_MIN_NORMAL)).all())
 
 
 def block_gemv_supports(weight: QuantizedWeight) -> bool:
-    """Whether `BlockGemv` holds `weight` exactly: whole blocks, and scales (and mins) finite and exact in fp16."""
-    if weight.shape[1] % GGUF_BLOCK or not _fp16_exact(weight.scales):
+    """Whether `BlockGemv` holds `weight`: whole blocks, and scales (and mins) fp16 holds (see `_fp16_holds`).
+    GGUF stores Q4_0, Q4_1 and Q8_0's as fp16, so those are exact; Q4_K's d * sc and dmin * m, exact in fp32, are
+    rounded to fp16 (torch's int4 kernel, the alternative, holds them in the activations' dtype: bf16 rounds
+    to 2^-8)."""
+    if weight.shape[1] % GGUF_BLOCK or not _fp16_holds(weight.scales):
         return False
     if weight.qtype == "Q4_0":
-        return _fp16_exact(-8 * weight.scales.float())
-    return weight.mins is None or _fp16_exact(weight.mins)
+        return _fp16_holds(-8 * weight.scales.float())
+    return weight.mins is None or _fp16_holds(weight.mins)
 
 
 QuantizedMatmul = Int4Matmul | BlockGemv

@@ -12,7 +12,7 @@ from mrv2.config import QuantPolicy
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.quantization import BlockGemv, GemmTiles, quantized_matmul
 from mrv2.platforms.cpu import GEMM_ISAS, CpuPlatform
-from quant_helpers import quantized
+from quant_helpers import held_in_fp16, quantized
 
 PLATFORM = CpuPlatform()
 RUNS = {
@@ -32,8 +32,9 @@ def gemm_isa(request) -> int:
 
 
 def _dense_product(x: torch.Tensor, weight) -> torch.Tensor:
-    """x @ W^T with the weight as a dense bf16 copy holds it, summed exactly and rounded to bf16 once."""
-    return (x.double() @ weight.dequantize(torch.bfloat16).double().t()).to(torch.bfloat16)
+    """x @ W^T with the weight as a dense bf16 copy of what the kernels hold (scales in fp16) holds it, summed
+    exactly and rounded to bf16 once."""
+    return (x.double() @ held_in_fp16(weight).dequantize(torch.bfloat16).double().t()).to(torch.bfloat16)
 
 
 def _within_an_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -43,15 +44,16 @@ def _within_an_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
     assert ((got.float() - want.float()).abs() <= step).all()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
 # AMX: one row tile, padded tiles, pairs and a single; dot products: every block of 1 to 12 rows.
 @pytest.mark.parametrize("rows", [1, 3, 5, 12, 16, 17, 23, 40, 64, 100])
 def test_gemm_equals_the_dense_bf16_weights_product(qtype, rows, gemm_isa):
-    # Three column tiles (a pair and a single) of three feature tiles each.
-    weight, _ = quantized(qtype, 48, 96, seed=rows)
+    # Three column tiles (a pair and a single) of three feature tiles each (Q4_K: of eight, a super-block).
+    k = 256 if qtype == "Q4_K" else 96
+    weight, _ = quantized(qtype, 48, k, seed=rows)
     gemm = BlockGemv(weight, PLATFORM.gemv_isa(), gemm_isa, gemv_rows=4)
     assert gemm.tiles is not None and gemm.tiles.engine == GemmTiles.ENGINES[gemm_isa]
-    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
     _within_an_ulp(gemm.tiles(x), _dense_product(x, weight))
 
 

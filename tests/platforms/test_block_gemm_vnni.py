@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from mrv2.layers.quantization import BlockGemv, GemmTiles
 from mrv2.platforms.cpu import CpuPlatform
-from quant_helpers import check_int8_product, quantized
+from quant_helpers import check_int8_product, held_in_fp16, quantized
 
 PLATFORM = CpuPlatform()
 VNNI = 4  # CpuPlatform.gemm_isa's number for it
@@ -28,7 +28,7 @@ def _gemm(weight, gemv_rows: int = 2) -> BlockGemv:
     return gemm
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
 # Passes of up to 12 rows, split evenly: every pass size, two of 8 (16), 9 and 8 (17), 11 x 5 and 9 (64).
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 17, 25, 64, 100])
 def test_gemm_is_the_int8_activations_product_within_their_rounding(qtype, rows):
@@ -36,7 +36,7 @@ def test_gemm_is_the_int8_activations_product_within_their_rounding(qtype, rows)
     x = (torch.randn(rows, 256) * torch.logspace(-2, 1, 256)).bfloat16()  # blocks of different magnitudes
     sums = _gemm(weight).tiles(x, torch.float32)
     assert sums.dtype == torch.float32 and sums.shape == (rows, 48)
-    check_int8_product(weight, x, sums)
+    check_int8_product(held_in_fp16(weight), x, sums)
     assert torch.equal(_gemm(weight).tiles(x), sums.bfloat16())  # bf16 out: the sums rounded once
 
 

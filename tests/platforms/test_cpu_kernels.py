@@ -9,7 +9,7 @@ import torch
 from mrv2.config import QuantPolicy
 from mrv2.layers.quantization import BlockGemv, Int4Matmul, QuantizedWeight, block_gemv_supports, quantized_matmul
 from mrv2.platforms.cpu import GEMV_ISAS, CpuPlatform
-from quant_helpers import quantized
+from quant_helpers import held_in_fp16, quantized
 
 MACHINE_ISA = CpuPlatform().gemv_isa()
 # Every instruction set this CPU runs (AVX512-VNNI machines run the AVX2 code as well).
@@ -26,18 +26,36 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got.float() - want).abs().max() <= tol * want.abs().max()
 
 
+def _held(weight: QuantizedWeight) -> torch.Tensor:
+    return held_in_fp16(weight).dequantize(torch.float32)
+
+
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: GEMV_ISAS[i])
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9, 20])  # passes of 4 (AVX2) or 8 rows, and remainders
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_block_gemv_equals_the_dequantized_weight(isa, qtype, rows, dtype):
-    # 40 output rows (not a multiple of any tile) and 12 blocks a row: the second 8-wide load of a row's
-    # scales reads 4 of the next row's (or the tail's), which must count nothing.
-    weight, ref = quantized(qtype, 40, 384, seed=rows)
-    x = torch.randn(rows, 384, dtype=dtype)
+    # 40 output rows (not a multiple of any tile) and 12 blocks a row (Q4_K: 16): the second 8-wide load of a
+    # row's scales reads 4 of the next row's (or the tail's), which must count nothing.
+    k = 512 if qtype == "Q4_K" else 384
+    weight, ref = quantized(qtype, 40, k, seed=rows)
+    x = torch.randn(rows, k, dtype=dtype)
     got = BlockGemv(weight, isa)(x)
     assert got.dtype == dtype and got.shape == (rows, 40)
-    _close(got, x.double() @ torch.from_numpy(ref).double().t())
+    _close(got, x.double() @ _held(weight).double().t())
+
+
+def test_q4_k_scales_are_held_within_fp16_rounding():
+    # Q4_K's d * sc and dmin * m are exact in fp32, not in fp16: held to 2^-11 of each (GGUF's fp16 scales of
+    # the other types exactly), so the held weight is GGUF's dequantization within 2^-11 of each block's scale.
+    weight, ref = quantized("Q4_K", 32, 512)
+    ref = torch.from_numpy(ref)
+    assert not torch.equal(_held(weight), ref)
+    per_block = (weight.scales.abs() + weight.mins.abs()).repeat_interleave(32, dim=1) * 16
+    assert ((_held(weight) - ref).abs() <= 2 ** -11 * per_block).all()
+    for qtype in ("Q4_0", "Q4_1", "Q8_0"):
+        weight, ref = quantized(qtype, 32, 512)
+        assert torch.equal(_held(weight), torch.from_numpy(ref))
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: GEMV_ISAS[i])
@@ -138,14 +156,17 @@ def test_bad_operands_name_the_problem():
         torch.ops.mrv2_gguf.q8_gemv(torch.randn(1, 64), gemv.codes, gemv.scales, 3)
 
 
-def test_weights_the_block_gemv_cannot_hold_exactly_take_torchs_int4_kernel():
+def test_weights_the_block_gemv_cannot_hold_take_torchs_int4_kernel():
     policy = QuantPolicy(int4_max_rows=4, gemv_isa=MACHINE_ISA)
     q41, _ = quantized("Q4_1", 32, 64)
     assert isinstance(quantized_matmul(q41, torch.bfloat16, policy), BlockGemv)
-    # Q4_K's sub-block scales (d * sc) are exact in fp32, not always in fp16.
+    # Q4_K's sub-block scales (d * sc), exact in fp32, are rounded to fp16 where they are normal numbers there;
+    # below fp16's normal range that rounding would lose bits, so such a weight takes the int4 kernel.
     q4k, _ = quantized("Q4_K", 32, 256)
-    assert not block_gemv_supports(q4k)
-    assert isinstance(quantized_matmul(q4k, torch.bfloat16, policy), Int4Matmul)
+    assert isinstance(quantized_matmul(q4k, torch.bfloat16, policy), BlockGemv)
+    tiny = QuantizedWeight("Q4_K", q4k.codes, q4k.scales * 2 ** -20, q4k.mins)
+    assert not block_gemv_supports(tiny)
+    assert isinstance(quantized_matmul(tiny, torch.bfloat16, policy), Int4Matmul)
     infinite = q41.scales.clone()
     infinite[3, 1] = float("inf")
     assert not block_gemv_supports(QuantizedWeight("Q4_1", q41.codes, infinite, q41.mins))
