@@ -47,7 +47,7 @@ def test_block_gemv_equals_the_dequantized_weight(isa, qtype, rows, dtype):
 
 def test_q4_k_scales_are_held_within_fp16_rounding():
     # Q4_K's d * sc and dmin * m are exact in fp32, not in fp16: held to 2^-11 of each (GGUF's fp16 scales of
-    # the other types exactly), so the held weight is GGUF's dequantization within 2^-11 of each block's scale.
+    # the other types exactly), so a held weight d * q + m (q <= 15) is GGUF's within 2^-11 of 16 (|d| + |m|).
     weight, ref = quantized("Q4_K", 32, 512)
     ref = torch.from_numpy(ref)
     assert not torch.equal(_held(weight), ref)
