@@ -315,7 +315,6 @@ def place_in_one_buffer(gemvs: list[BlockGemv], allocate: Callable[[int], torch.
 
 
 SCALE_TAIL = 8  # kScaleTail in cpu_kernels/gguf_gemv.cpp
-FP16_MIN_NORMAL = 2.0 ** -14
 
 
 def _flat_halves(t: torch.Tensor) -> torch.Tensor:
@@ -328,7 +327,8 @@ def _fp16_holds(t: torch.Tensor) -> bool:
     error of 2^-11 at most; the kernel's loads past a row's end rely on finite values)."""
     f = t.float()
     half = f.to(torch.float16).float()
-    return bool(torch.isfinite(half).all()) and bool(((half == f) | (f.abs() >= FP16_MIN_NORMAL)).all())
+    normal = f.abs() >= torch.finfo(torch.float16).tiny  # fp16's smallest normal number, 2^-14
+    return bool(torch.isfinite(half).all()) and bool(((half == f) | normal).all())
 
 
 def block_gemv_supports(weight: QuantizedWeight) -> bool:
