@@ -22,21 +22,37 @@ def random_q4_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
+def random_q6_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Raw Q6_K blocks ([n, k / 256 * 210] uint8): random codes and int8 sub-block scales (either sign), small
+    positive d. `gguf` cannot quantize to Q6_K either."""
+    blocks = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+    blocks[..., 208:210] = rng.uniform(0.0001, 0.001, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+RANDOM_BLOCKS = {"Q4_K": random_q4_k, "Q6_K": random_q6_k}
+
+
 def quantized(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, np.ndarray]:
-    """A random [n, k] weight quantized by `gguf` (Q4_K: random blocks) and its reference dequantization."""
+    """A random [n, k] weight quantized by `gguf` (K-quants: random blocks) and its reference dequantization.
+    A K-quant of k features that are not whole 256-weight super-blocks is the first k of a wider one (whole
+    32-weight blocks of it: what the kernels take)."""
     rng = np.random.default_rng(seed)
-    if qtype == "Q4_K":
-        raw = random_q4_k(n, k, rng)
-    else:
-        raw = quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[qtype])
+    if qtype in RANDOM_BLOCKS:
+        wide = -(-k // 256) * 256
+        raw = RANDOM_BLOCKS[qtype](n, wide, rng)
+        ref = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, wide)[:, :k]
+        parts = {p: torch.from_numpy(a) for p, a in decode_blocks(qtype, raw, n, wide).items()}
+        return stored_weight(qtype, parts).narrow(1, 0, k), np.ascontiguousarray(ref)
+    raw = quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[qtype])
     ref = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)
     parts = {p: torch.from_numpy(a) for p, a in decode_blocks(qtype, raw, n, k).items()}
     return stored_weight(qtype, parts), ref
 
 
 def held_in_fp16(weight: QuantizedWeight) -> QuantizedWeight:
-    """`weight` with its scales and mins rounded to fp16, as the block kernels hold them (a change for Q4_K's
-    only: GGUF stores the other types' as fp16)."""
+    """`weight` with its scales and mins rounded to fp16, as the block kernels hold them (a change for Q4_K's and
+    Q6_K's only: GGUF stores the other types' as fp16)."""
     mins = None if weight.mins is None else weight.mins.half().float()
     return QuantizedWeight(weight.qtype, weight.codes, weight.scales.half().float(), mins)
 

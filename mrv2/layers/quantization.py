@@ -1,7 +1,8 @@
-"""Weight-only quantized matmuls for GGUF block formats (Q4_0, Q4_1, Q4_K, Q8_0) on torch's int4 CPU kernel.
+"""Weight-only quantized matmuls for GGUF block formats (Q4_0, Q4_1, Q4_K, Q6_K, Q8_0).
 
 `QuantizedWeight` holds a weight as GGUF stores it: integer codes and one scale (and,
-for Q4_1, one min) per block of 32 weights along the input dimension. `Int4Matmul`
+for Q4_1 and Q4_K, one min) per block of 32 weights along the input dimension (Q6_K: one
+scale per 16 weights). `Int4Matmul`
 multiplies by it through `torch._weight_int4pack_mm_for_cpu`, whose groups dequantize
 as `(q - 8) * scale + zero`:
 
@@ -13,14 +14,17 @@ as `(q - 8) * scale + zero`:
 - Q8_0, `d * q` with q in [-127, 127]: q = 16 * hi + lo (hi in [-8, 7], lo in [0, 15]),
   two int4 matmuls, one with codes hi + 8 and scale 16d, one with codes lo, scale d and
   zero 8d, summed. Same bytes as int8, and exact, unlike a per-channel int8 requantization.
+- Q6_K, super-blocks of 256 whose sixteen 16-weight sub-blocks dequantize as `(d * sc) * (q - 32)`
+  (8-bit sc, 6-bit q): held as int8 codes q - 32 with scale d * sc per 16 weights (exact in fp32). torch's
+  kernel takes groups of 32 or more, so Q6_K runs on the block kernels only (else it is dequantized).
 
 Scales and zeros are held in the activations' dtype, so effective weights equal the
 GGUF dequantization up to that dtype's rounding of the scales.
 
-`BlockGemv` runs Q4_0, Q4_1, Q4_K and Q8_0 weights on the platform's own block kernels
+`BlockGemv` runs every one of these types on the platform's own block kernels
 (`torch.ops.mrv2_gguf`, loaded by the platform), which keep GGUF's blocks and fp16 scales as
-they are (Q4_K's per-32 scales and mins rounded to fp16, 2^-11 of each at most; one pass over
-the weights for Q8_0) and sum integer products with the activations quantized to int16 per
+they are (Q4_K's per-32 scales and mins and Q6_K's per-16 scales rounded to fp16, 2^-11 of each
+at most; Q6_K as Q8_0 with two scales a block; one pass over the weights for Q8_0) and sum integer products with the activations quantized to int16 per
 block (a finer step than bf16).
 Where the policy names a `gemm_isa`, batches of more rows run on the block GEMM over a second
 layout of the same codes (`GemmTiles`): on AMX and AVX512-BF16, bf16 activations times each tile
@@ -40,14 +44,16 @@ import torch
 from mrv2.config import QuantPolicy
 
 GGUF_BLOCK = 32
-QUANT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")
 WITH_MINS = ("Q4_1", "Q4_K")  # types whose 32-weight groups have a min as well as a scale
+INT8_CODES = ("Q6_K", "Q8_0")  # types held as int8 codes, one a byte (the others: 4-bit codes)
+SUB_BLOCKS = {"Q6_K": 2}  # scales per 32-weight block where there is more than one (Q6_K: one per 16 weights)
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A [N, K] weight in GGUF blocks: `codes` [N, K] (uint8 0..15 for Q4, int8 for Q8_0),
-    `scales` and `mins` (Q4_1 and Q4_K only) [N, K / 32]."""
+    """A [N, K] weight in GGUF blocks: `codes` [N, K] (uint8 0..15 for Q4, int8 for Q8_0 and Q6_K's q - 32),
+    `scales` [N, K / 32 * sub_blocks] and `mins` (Q4_1 and Q4_K only) [N, K / 32]."""
 
     qtype: str
     codes: torch.Tensor
@@ -58,9 +64,9 @@ class QuantizedWeight:
         if self.qtype not in QUANT_TYPES:
             raise ValueError(f"unsupported quantized type {self.qtype!r} (supported: {', '.join(QUANT_TYPES)})")
         n, k = self.codes.shape
-        if k % GGUF_BLOCK or tuple(self.scales.shape) != (n, k // GGUF_BLOCK):
+        if k % GGUF_BLOCK or tuple(self.scales.shape) != (n, k // GGUF_BLOCK * self.sub_blocks):
             raise ValueError(f"{self.qtype} codes {tuple(self.codes.shape)} need scales of shape "
-                             f"({n}, {k // GGUF_BLOCK}), got {tuple(self.scales.shape)}")
+                             f"({n}, {k // GGUF_BLOCK * self.sub_blocks}), got {tuple(self.scales.shape)}")
         if (self.mins is not None) != (self.qtype in WITH_MINS):
             raise ValueError(f"{self.qtype} {'needs' if self.qtype in WITH_MINS else 'has no'} mins")
 
@@ -68,13 +74,18 @@ class QuantizedWeight:
     def shape(self) -> torch.Size:
         return self.codes.shape
 
+    @property
+    def sub_blocks(self) -> int:
+        """Scales per 32-weight block: 2 for Q6_K's 16-weight sub-blocks, else 1."""
+        return SUB_BLOCKS.get(self.qtype, 1)
+
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or its `rows`) in `dtype`, computed in fp32 as `gguf.quants.dequantize` does."""
         codes, scales, mins = self.codes, self.scales, self.mins
         if rows is not None:
             codes, scales = codes[rows], scales[rows]
             mins = mins[rows] if mins is not None else None
-        q = codes.float().unflatten(-1, (-1, GGUF_BLOCK))
+        q = codes.float().unflatten(-1, (-1, GGUF_BLOCK // self.sub_blocks))
         if self.qtype == "Q4_0":
             q = q - 8
         w = q * scales.float()[..., None]
@@ -89,7 +100,8 @@ class QuantizedWeight:
             return QuantizedWeight(self.qtype, self.codes[start:start + length], self.scales[start:start + length], mins)
         b, n = column_blocks(self.qtype, start, length)
         mins = self.mins[:, b:b + n] if self.mins is not None else None
-        return QuantizedWeight(self.qtype, self.codes[:, start:start + length], self.scales[:, b:b + n], mins)
+        s = self.sub_blocks
+        return QuantizedWeight(self.qtype, self.codes[:, start:start + length], self.scales[:, b * s:(b + n) * s], mins)
 
     @staticmethod
     def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
@@ -110,15 +122,19 @@ def column_blocks(qtype: str, start: int, length: int) -> tuple[int, int]:
     return start // GGUF_BLOCK, length // GGUF_BLOCK
 
 
-def int4_kernel_supports(n: int, k: int) -> bool:
-    """Shapes torch's int4 CPU kernel packs: whole 32-groups along K, N a multiple of its 16-row tiles."""
-    return k % GGUF_BLOCK == 0 and n % 16 == 0
+def int4_kernel_supports(weight: QuantizedWeight) -> bool:
+    """Weights torch's int4 CPU kernel packs: one scale per 32 weights (its smallest group), whole groups along K,
+    N a multiple of its 16-row tiles."""
+    n, k = weight.shape
+    return weight.sub_blocks == 1 and k % GGUF_BLOCK == 0 and n % 16 == 0
 
 
 class Int4Matmul:
     """x @ W^T for a `QuantizedWeight`, on torch's int4 CPU kernel; x [M, K] in the kernel's dtype."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        if not int4_kernel_supports(weight):
+            raise ValueError(f"torch's int4 kernel cannot take a {weight.qtype} weight of shape {tuple(weight.shape)}")
         d = weight.scales.float()
         if weight.qtype == "Q8_0":
             c = weight.codes.int()
@@ -159,12 +175,13 @@ class GemmTiles:
     AVX512-VNNI integer products with the activations quantized to int8 per block. A tile row's lane
     2n + p is feature 2r + p of column n. `codes`: Q4
     [N / 16, K / 32, 16, 16] bytes (byte j: lane j in the low nibble, lane j + 16 in the high one), Q8_0
-    [N / 16, K / 32, 16, 32] int8, lane by lane; `scales` (and `mins`) fp16 [N / 16, K / 32, 16].
+    [N / 16, K / 32, 16, 32] int8 (Q8_0, Q6_K), lane by lane; `scales` (and `mins`) fp16 [N / 16, K / 32, 16],
+    Q6_K's [N / 16, K / 32, 2, 16] (features 0..15 of the block, then 16..31).
 
     "avx2" (`cpu_kernels/gguf_gemm_avx2.cpp`, float32 activations, quantized to int8 per block): per
     strip of 8 output columns and block of 32 features, 8 groups of 4 features: `codes` [N / 8, K / 32, 8, 8,
-    4], byte (g, n, i) the code of column n, feature 4g + i (uint8 for Q4, int8 for Q8_0); `scales` (and
-    `mins`) float32 [N / 8, K / 32, 8].
+    4], byte (g, n, i) the code of column n, feature 4g + i (uint8 for Q4, int8 for Q8_0 and Q6_K); `scales`
+    (and `mins`) float32 [N / 8, K / 32, 8], Q6_K's [N / 8, K / 32, 2, 8].
     """
 
     codes: torch.Tensor
@@ -193,18 +210,22 @@ class GemmTiles:
 
     @classmethod
     def of(cls, weight: QuantizedWeight, mins: torch.Tensor | None, gemm_isa: int) -> GemmTiles:
-        """Tiles of `weight` (codes [N, K], q in 0..15 or int8) with its per-block `mins` (None for Q8_0), for the
-        block GEMM of `gemm_isa`."""
+        """Tiles of `weight` (codes [N, K], q in 0..15 or int8) with its per-block `mins` (None for int8 codes), for
+        the block GEMM of `gemm_isa`."""
         engine = cls.ENGINES[gemm_isa]
         n, k = weight.shape
+
+        def per_column_group(t: torch.Tensor, columns: int, dtype: torch.dtype) -> torch.Tensor:
+            """[N, K / 32 * s] -> [N / columns, K / 32, (s,) columns]."""
+            s = t.shape[1] // (k // 32)
+            grouped = t.to(dtype).view(n // columns, columns, k // 32, s).permute(0, 2, 3, 1)
+            return (grouped if s > 1 else grouped.squeeze(2)).contiguous()
+
         if engine == "avx2":
             groups = weight.codes.view(n // 8, 8, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [strip, block, g, n, i]
             codes = groups.to(torch.int8 if mins is None else torch.uint8).contiguous()
-
-            def per_strip(t: torch.Tensor) -> torch.Tensor:
-                return t.float().view(n // 8, 8, k // 32).permute(0, 2, 1).contiguous()
-
-            return cls(codes, per_strip(weight.scales), None if mins is None else per_strip(mins), engine)
+            return cls(codes, per_column_group(weight.scales, 8, torch.float32),
+                       None if mins is None else per_column_group(mins, 8, torch.float32), engine)
         pairs = weight.codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [tile n, tile k, r, n, pair]
         lanes = pairs.reshape(n // 16, k // 32, 16, 32)  # a tile row: lane 2n + p is feature 2r + p of column n
         if mins is None:
@@ -213,10 +234,8 @@ class GemmTiles:
             q = lanes.to(torch.uint8)
             tiled = q[..., :16] | (q[..., 16:] << 4)
 
-        def per_tile(t: torch.Tensor) -> torch.Tensor:
-            return t.to(torch.float16).view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
-
-        return cls(tiled.contiguous(), per_tile(weight.scales), None if mins is None else per_tile(mins), engine)
+        return cls(tiled.contiguous(), per_column_group(weight.scales, 16, torch.float16),
+                   None if mins is None else per_column_group(mins, 16, torch.float16), engine)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
         """x @ W^T (x as the engine `takes`) in x's dtype (bf16: rounded once), or float32 sums as they are where
@@ -244,9 +263,10 @@ class BlockGemv:
     batches of more than `gemv_rows` rows on its block GEMM where `gemm_isa` (the platform's numbering: 2 AMX,
     1 AVX512-BF16 dot products, both for bf16 activations; 3 AVX2 integer products, for float32; 0 none).
 
-    Codes keep GGUF's layout (Q4: two a byte, weight j and j + 16 of a block in one byte);
-    scales and mins are fp16, as GGUF stores them (Q4_0 as Q4_1 with min -8d, exact in fp16), flat:
-    row after row, then `SCALE_TAIL` zeros (the kernel's last 8-wide load of a row reads past it).
+    Codes keep GGUF's layout (Q4: two a byte, weight j and j + 16 of a block in one byte; Q8_0 and Q6_K one
+    int8 a byte); scales and mins are fp16, as GGUF stores them (Q4_0 as Q4_1 with min -8d, exact in fp16), flat:
+    row after row (Q6_K's two a block), then `SCALE_TAIL` zeros (the kernel's last wide load of a row reads
+    past it).
     """
 
     def __init__(self, weight: QuantizedWeight, isa: int, gemm_isa: int = 0, gemv_rows: int = 0) -> None:
@@ -256,7 +276,8 @@ class BlockGemv:
         self.out_features, self.in_features = weight.shape
         n, k = weight.shape
         self.scales = _flat_halves(weight.scales)
-        if weight.qtype == "Q8_0":
+        self.sub_blocks = weight.sub_blocks
+        if weight.qtype in INT8_CODES:
             self.codes = weight.codes.to(torch.int8).contiguous()
             self.mins = None
             mins = None
@@ -275,7 +296,7 @@ class BlockGemv:
         if self._on_tiles(x2):
             y = self.tiles(x2, out_dtype)
         elif self.mins is None:
-            y = torch.ops.mrv2_gguf.q8_gemv(x2, self.codes, self.scales, self.isa, out_dtype)
+            y = torch.ops.mrv2_gguf.q8_gemv(x2, self.codes, self.scales, self.isa, out_dtype, self.sub_blocks)
         else:
             y = torch.ops.mrv2_gguf.q4_gemv(x2, self.codes, self.scales, self.mins, self.isa, out_dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -314,7 +335,7 @@ def place_in_one_buffer(gemvs: list[BlockGemv], allocate: Callable[[int], torch.
     return at
 
 
-SCALE_TAIL = 8  # kScaleTail in cpu_kernels/gguf_gemv.cpp
+SCALE_TAIL = 16  # kScaleTail in cpu_kernels/gguf_gemv.cpp
 
 
 def _flat_halves(t: torch.Tensor) -> torch.Tensor:
@@ -333,9 +354,9 @@ def _fp16_holds(t: torch.Tensor) -> bool:
 
 def block_gemv_supports(weight: QuantizedWeight) -> bool:
     """Whether `BlockGemv` holds `weight`: whole blocks, and scales (and mins) fp16 holds (see `_fp16_holds`).
-    GGUF stores Q4_0, Q4_1 and Q8_0's as fp16, so those are exact; Q4_K's d * sc and dmin * m, exact in fp32, are
-    rounded to fp16 (torch's int4 kernel, the alternative, holds them in the activations' dtype: bf16 rounds
-    to 2^-8)."""
+    GGUF stores Q4_0, Q4_1 and Q8_0's as fp16, so those are exact; Q4_K's d * sc and dmin * m and Q6_K's d * sc,
+    exact in fp32, are rounded to fp16 (torch's int4 kernel, the alternative for Q4_K, holds them in the
+    activations' dtype: bf16 rounds to 2^-8)."""
     if weight.shape[1] % GGUF_BLOCK or not _fp16_holds(weight.scales):
         return False
     if weight.qtype == "Q4_0":
@@ -354,6 +375,6 @@ def quantized_matmul(weight: QuantizedWeight, dtype: torch.dtype, policy: QuantP
     if policy.gemv_isa and block_gemv_supports(weight):
         gemm_isa = policy.gemm_isa if GemmTiles.takes(policy.gemm_isa, dtype) else 0
         return BlockGemv(weight, policy.gemv_isa, gemm_isa, policy.int4_max_rows)
-    if int4_kernel_supports(*weight.shape):
+    if int4_kernel_supports(weight):
         return Int4Matmul(weight, dtype)
     return None

@@ -24,8 +24,8 @@ logger = logging.getLogger("mrv2")
 _HASH_CHUNK = 16 << 20
 # The quantized tensors of a converted GGUF (codes and scales; see mrv2.loader.gguf_quant), in
 # a subfolder: tools that load every *.safetensors of a checkpoint folder (vLLM) must not see it.
-# Its name changes with the set of types kept (v2: Q4_K added), so older folders get a new one.
-QUANT_FILE = "quantized/gguf_blocks-v2.safetensors"
+# Its name changes with the set of types kept (v2: Q4_K added; v3: Q6_K), so older folders get a new one.
+QUANT_FILE = "quantized/gguf_blocks-v3.safetensors"
 
 
 def cache_root() -> Path:

@@ -1,18 +1,19 @@
 """The quantized weights of a GGUF file, kept quantized, beside its converted HF checkpoint.
 
 `convert_gguf_to_hf` writes dequantized fp32 weights (the exact reference). This module
-also keeps each Q4_0, Q4_1, Q4_K and Q8_0 tensor's codes and block scales, under its
+also keeps each Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 tensor's codes and block scales, under its
 HF name, in `QUANT_FILE` of the same folder:
 
     <name>.codes   Q4: uint8 [N, K/2], element 2i in the low nibble, 2i+1 in the high;
-                   Q8_0: int8 [N, K]
-    <name>.scales  [N, K/32]: float16 d (Q4_0, Q4_1, Q8_0); float32 d * sc (Q4_K)
+                   Q8_0: int8 [N, K]; Q6_K: int8 [N, K], q - 32
+    <name>.scales  [N, K/32]: float16 d (Q4_0, Q4_1, Q8_0); float32 d * sc (Q4_K);
+                   [N, K/16]: float32 d * sc (Q6_K)
     <name>.mins    [N, K/32]: float16 m (Q4_1); float32 -dmin * m (Q4_K)
 
 with each name's GGUF type in the file's metadata. Dequantized: Q4_0 d * (q - 8),
-Q4_1 and Q4_K scale * q + min, Q8_0 d * q, exactly what `gguf.quants.dequantize`
-computes. Other GGUF types (Q6_K, Q5_K, ...) are not listed: they load from the fp32
-weights.
+Q4_1 and Q4_K scale * q + min, Q8_0 and Q6_K scale * code, exactly what
+`gguf.quants.dequantize` computes. Other GGUF types (Q5_K, ...) are not listed: they
+load from the fp32 weights.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from mrv2.layers.quantization import QuantizedWeight, column_blocks
+from mrv2.layers.quantization import INT8_CODES, SUB_BLOCKS, QuantizedWeight, column_blocks
 from mrv2.loader.cache import QUANT_FILE
 
 # GGUF type name -> (weights, bytes) per block
-_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
+_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 
 
 def decode_blocks(qtype: str, raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
@@ -37,6 +38,8 @@ def decode_blocks(qtype: str, raw: np.ndarray, rows: int, cols: int) -> dict[str
     blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // size, nbytes)
     if qtype == "Q4_K":
         return _decode_q4_k(blocks, rows, cols)
+    if qtype == "Q6_K":
+        return _decode_q6_k(blocks, rows, cols)
     out = {"scales": blocks[..., 0:2].copy().view(np.float16)[..., 0]}
     if qtype == "Q8_0":
         out["codes"] = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
@@ -61,6 +64,21 @@ def _decode_q4_k(blocks: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarr
     return {"codes": _pack_nibbles((qs & 0xF).reshape(rows, cols)),
             "scales": (d * sc.astype(np.float32)).reshape(rows, -1),
             "mins": -(dmin * m.astype(np.float32)).reshape(rows, -1)}
+
+
+def _decode_q6_k(blocks: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """Q6_K super-blocks: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 sub-block scales, d (f16);
+    the layout gguf.quants.Q6_K.dequantize_blocks reads."""
+    ql, qh = blocks[..., :128], blocks[..., 128:192]
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [rows, nb, 16]
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
+    # 64 bytes of low nibbles per 128 weights (two groups of 32 in the low nibbles, two in the high), 32 bytes
+    # of high bits (four groups of 32, two bits each).
+    low = (ql.reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F
+    high = (qh.reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 0x03
+    q = low.reshape(rows, -1, 8, 32) | (high.reshape(rows, -1, 8, 32) << 4)
+    return {"codes": (q.astype(np.int8) - np.int8(32)).reshape(rows, cols),
+            "scales": (d * sc).reshape(rows, -1)}
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -91,7 +109,7 @@ def write_quantized_weights(tensors: list[tuple[str, tuple[int, ...], Any]], out
 def stored_weight(qtype: str, parts: Mapping[str, torch.Tensor]) -> QuantizedWeight:
     """A `QuantizedWeight` from its stored parts (`decode_blocks`' layout: Q4 codes nibble-packed)."""
     codes = parts["codes"]
-    if qtype != "Q8_0":
+    if qtype not in INT8_CODES:
         codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
     return QuantizedWeight(qtype, codes, parts["scales"], parts.get("mins"))
 
@@ -105,7 +123,7 @@ class LazyQuantizedWeight:
         self.qtype = qtype
         self._slices = {p: handle.get_slice(f"{name}.{p}") for p in parts}
         n, stored = self._slices["codes"].get_shape()
-        self._per_byte = 1 if qtype == "Q8_0" else 2  # Q4 codes are nibble-packed
+        self._per_byte = 1 if qtype in INT8_CODES else 2  # Q4 codes are nibble-packed
         self.shape = torch.Size((n, stored * self._per_byte))
 
     def read(self, part: tuple[int, int, int] | None = None) -> QuantizedWeight:
@@ -115,7 +133,9 @@ class LazyQuantizedWeight:
         if dim == 0:
             return stored_weight(self.qtype, {p: s[start:start + length] for p, s in self._slices.items()})
         spans = {"codes": (start // self._per_byte, length // self._per_byte)}
-        spans["scales"] = spans["mins"] = column_blocks(self.qtype, start, length)
+        b, n = column_blocks(self.qtype, start, length)
+        s = SUB_BLOCKS.get(self.qtype, 1)
+        spans["scales"], spans["mins"] = (b * s, n * s), (b, n)
         return stored_weight(self.qtype, {p: s[:, spans[p][0]:spans[p][0] + spans[p][1]]
                                           for p, s in self._slices.items()})
 

@@ -44,11 +44,12 @@ def _within_an_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
     assert ((got.float() - want.float()).abs() <= step).all()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"])
 # AMX: one row tile, padded tiles, pairs and a single; dot products: every block of 1 to 12 rows.
 @pytest.mark.parametrize("rows", [1, 3, 5, 12, 16, 17, 23, 40, 64, 100])
 def test_gemm_equals_the_dense_bf16_weights_product(qtype, rows, gemm_isa):
-    # Three column tiles (a pair and a single) of three feature tiles each (Q4_K: of eight, a super-block).
+    # Three column tiles (a pair and a single) of three feature tiles each (Q4_K: of eight, a super-block; Q6_K:
+    # of three, each under two scales a column).
     k = 256 if qtype == "Q4_K" else 96
     weight, _ = quantized(qtype, 48, k, seed=rows)
     gemm = BlockGemv(weight, PLATFORM.gemv_isa(), gemm_isa, gemv_rows=4)

@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.usefixtures("split_threads"),
                                  reason="the AVX2 block GEMM needs AVX2, FMA, F16C and its kernels built")]
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])  # Q4_K: its scales as they are, in fp32
+# Q4_K, Q6_K: their scales as they are, in fp32
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"])
 # Every tail of the kernel's six-row passes, a whole 96-row chunk and a partial one.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 64, 96, 100, 200])
 def test_gemm_is_the_int8_activations_product_within_their_rounding(qtype, rows):

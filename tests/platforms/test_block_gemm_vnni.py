@@ -28,7 +28,7 @@ def _gemm(weight, gemv_rows: int = 2) -> BlockGemv:
     return gemm
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"])
 # Passes of up to 12 rows, split evenly: every pass size, two of 8 (16), 9 and 8 (17), 11 x 5 and 9 (64).
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 17, 25, 64, 100])
 def test_gemm_is_the_int8_activations_product_within_their_rounding(qtype, rows):

@@ -31,12 +31,13 @@ def _held(weight: QuantizedWeight) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: GEMV_ISAS[i])
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9, 20])  # passes of 4 (AVX2) or 8 rows, and remainders
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_block_gemv_equals_the_dequantized_weight(isa, qtype, rows, dtype):
     # 40 output rows (not a multiple of any tile) and 12 blocks a row (Q4_K: 16): the second 8-wide load of a
-    # row's scales reads 4 of the next row's (or the tail's), which must count nothing.
+    # row's scales reads 4 of the next row's (or the tail's), which must count nothing; Q6_K's 24 scales a row
+    # are read 16 at a time, 8 past the row.
     k = 512 if qtype == "Q4_K" else 384
     weight, ref = quantized(qtype, 40, k, seed=rows)
     x = torch.randn(rows, k, dtype=dtype)
@@ -45,30 +46,35 @@ def test_block_gemv_equals_the_dequantized_weight(isa, qtype, rows, dtype):
     _close(got, x.double() @ _held(weight).double().t())
 
 
-def test_q4_k_scales_are_held_within_fp16_rounding():
-    # Q4_K's d * sc and dmin * m are exact in fp32, not in fp16: held to 2^-11 of each (GGUF's fp16 scales of
-    # the other types exactly), so a held weight d * q + m (q <= 15) is GGUF's within 2^-11 of 16 (|d| + |m|).
+def test_k_quant_scales_are_held_within_fp16_rounding():
+    # Q4_K's d * sc and dmin * m and Q6_K's d * sc are exact in fp32, not in fp16: held to 2^-11 of each (GGUF's
+    # fp16 scales of the other types exactly), so a held Q4_K weight d * q + m (q <= 15) is GGUF's within 2^-11
+    # of 16 (|d| + |m|), a held Q6_K weight d * q (|q| <= 32) within 2^-11 of 32 |d|.
     weight, ref = quantized("Q4_K", 32, 512)
     ref = torch.from_numpy(ref)
     assert not torch.equal(_held(weight), ref)
     per_block = (weight.scales.abs() + weight.mins.abs()).repeat_interleave(32, dim=1) * 16
     assert ((_held(weight) - ref).abs() <= 2 ** -11 * per_block).all()
+    weight, ref = quantized("Q6_K", 32, 512)
+    ref = torch.from_numpy(ref)
+    assert not torch.equal(_held(weight), ref)
+    assert ((_held(weight) - ref).abs() <= 2 ** -11 * 32 * weight.scales.abs().repeat_interleave(16, dim=1)).all()
     for qtype in ("Q4_0", "Q4_1", "Q8_0"):
         weight, ref = quantized(qtype, 32, 512)
         assert torch.equal(_held(weight), torch.from_numpy(ref))
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: GEMV_ISAS[i])
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("blocks", [1, 3, 18, 23, 48])
 def test_one_row_over_any_number_of_blocks(isa, qtype, blocks):
     # The single-row AVX-512 kernels take 4 blocks (Q4) or 2 (Q8) a step and convert scales 16 at a
-    # time: a row of 1 or 3 blocks, 18 (16 and 2: the default model's K = 576), 23 (16, 4 and 3) and
-    # 48 (K = 1536).
-    weight, ref = quantized(qtype, 37, 32 * blocks, seed=blocks)
+    # time (Q6_K: 8 blocks' two each): a row of 1 or 3 blocks, 18 (16 and 2: the default model's K = 576;
+    # Q6_K 8, 8 and 2), 23 (16, 4 and 3) and 48 (K = 1536).
+    weight, _ = quantized(qtype, 37, 32 * blocks, seed=blocks)
     x = torch.randn(1, 32 * blocks)
     got = BlockGemv(weight, isa)(x, torch.float32)
-    _close(got, x.double() @ torch.from_numpy(ref).double().t())
+    _close(got, x.double() @ _held(weight).double().t())
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: GEMV_ISAS[i])
@@ -89,7 +95,7 @@ def test_block_gemv_writes_float32_for_bf16_activations_unrounded(isa, qtype, ro
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: GEMV_ISAS[i])
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q6_K", "Q8_0"])
 def test_a_rows_result_does_not_depend_on_the_rows_computed_with_it(isa, qtype):
     # Rows go through the kernel in groups (and the rest of a tile one by one): each output must be
     # bitwise what the row gives alone, wherever it falls.
@@ -128,6 +134,20 @@ def test_extreme_codes_and_activations_stay_exact(isa, code, sign):
     torch.testing.assert_close(BlockGemv(weight, isa)(x), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: GEMV_ISAS[i])
+@pytest.mark.parametrize("rows", [1, 3])  # the single-row AVX-512 kernel, and the others
+def test_each_q6_k_sub_block_takes_its_own_scale(isa, rows):
+    # Codes at their extremes (-32, 31) under scales that differ in sign and size from one 16-weight sub-block to
+    # the next: a kernel that applied a block's first scale to both halves, or swapped them, is far off.
+    n, k = 16, 128
+    codes = torch.where(torch.arange(k) % 3 == 0, -32, 31).to(torch.int8).expand(n, k).contiguous()
+    scales = torch.tensor([0.5, -2.0, 0.125, 4.0, -1.0, 0.25, 2.0, -0.5]).repeat(n, 1)
+    weight = QuantizedWeight("Q6_K", codes, scales)
+    x = torch.linspace(-3.0, 3.0, k).repeat(rows, 1)
+    want = x.double() @ weight.dequantize(torch.float32).double().t()
+    _close(BlockGemv(weight, isa)(x, torch.float32), want)
+
+
 def test_leading_dims_and_a_large_vocabulary_head():
     weight, ref = quantized("Q8_0", 4096, 64, seed=4)
     x = torch.randn(2, 1, 64, dtype=torch.bfloat16)
@@ -154,6 +174,11 @@ def test_bad_operands_name_the_problem():
                                     MACHINE_ISA)
     with pytest.raises(RuntimeError, match="isa must be"):
         torch.ops.mrv2_gguf.q8_gemv(torch.randn(1, 64), gemv.codes, gemv.scales, 3)
+    q6k = BlockGemv(quantized("Q6_K", 32, 64)[0], MACHINE_ISA)
+    with pytest.raises(RuntimeError, match="sub_blocks"):
+        torch.ops.mrv2_gguf.q8_gemv(torch.randn(1, 64), q6k.codes, q6k.scales, MACHINE_ISA, None, 3)
+    with pytest.raises(RuntimeError, match="a scale per 32 in_features"):  # Q6_K's scales read as one a block
+        torch.ops.mrv2_gguf.q8_gemv(torch.randn(1, 64), q6k.codes, q6k.scales, MACHINE_ISA)
 
 
 def test_weights_the_block_gemv_cannot_hold_take_torchs_int4_kernel():
@@ -173,4 +198,8 @@ def test_weights_the_block_gemv_cannot_hold_take_torchs_int4_kernel():
     odd = QuantizedWeight("Q4_1", q41.codes[:24], q41.scales[:24], q41.mins[:24])  # 24 rows: not int4's tiles
     assert isinstance(quantized_matmul(odd, torch.bfloat16, policy), BlockGemv)
     assert quantized_matmul(odd, torch.bfloat16, QuantPolicy(int4_max_rows=4)) is None
+    # Q6_K's 16-weight sub-blocks: the block kernels, or (torch's int4 kernel's groups are 32 or more) dequantized.
+    q6k, _ = quantized("Q6_K", 32, 256)
+    assert isinstance(quantized_matmul(q6k, torch.bfloat16, policy), BlockGemv)
+    assert quantized_matmul(q6k, torch.bfloat16, QuantPolicy(int4_max_rows=4)) is None
     assert quantized_matmul(q41, torch.bfloat16, QuantPolicy()) is None

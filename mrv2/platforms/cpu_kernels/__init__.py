@@ -49,7 +49,7 @@ def load_cpu_kernels() -> str | None:
 
 
 def _gemm_out(x: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype | None, gated: bool) -> torch.Tensor:
-    columns = scales.shape[0] * scales.shape[2]  # a gated product's out: silu(first half) * second half
+    columns = scales.shape[0] * scales.shape[-1]  # a gated product's out: silu(first half) * second half
     return x.new_empty(x.shape[0], columns // 2 if gated else columns, dtype=out_dtype or x.dtype)
 
 
@@ -60,7 +60,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], codes.shape[0], dtype=out_dtype or x.dtype)
 
     @torch.library.register_fake("mrv2_gguf::q8_gemv")
-    def _q8(x, codes, scales, isa, out_dtype=None):
+    def _q8(x, codes, scales, isa, out_dtype=None, sub_blocks=1):
         return x.new_empty(x.shape[0], codes.shape[0], dtype=out_dtype or x.dtype)
 
     for engine in ("amx", "bf16", "vnni", "avx2"):

@@ -14,7 +14,8 @@
 // - q4: [N / 16, K / 32, 16 r, 16 j] bytes, byte j holding the codes of lanes j (low nibble) and
 //   j + 16 (high) of the tile row, whose lane 2n + p is q(n, 2r + p); weight = d * q + m;
 // - q8: [N / 16, K / 32, 16 r, 16 n, 2] int8 codes q(n, 2r), q(n, 2r + 1); weight = d * q;
-// with fp16 scales d (and mins m) [N / 16, K / 32, 16 n].
+// with fp16 scales d (and mins m) [N / 16, K / 32, 16 n]; q8 with two scales a block (Q6_K's 16-weight
+// sub-blocks): [N / 16, K / 32, 2, 16 n], the first for tile rows 0-7, the second for rows 8-15.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -83,15 +84,18 @@ inline void store_row(uint16_t* dst, __m512 w_lo, __m512 w_hi) {
   _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w_hi, w_lo)));
 }
 
-// One weight tile (16 columns x 32 features) into `dst` as AMX's B operand: 16 rows of 32 bf16.
+// One weight tile (16 columns x 32 features) into `dst` as AMX's B operand: 16 rows of 32 bf16. `sub`: scales a
+// column (2: tile rows 0-7, features 0..15, take the first 16 of `d16`, rows 8-15 the next 16).
 template <bool kQ4>
-inline void dequantize_tile(const uint8_t* codes, const uint16_t* d16, const uint16_t* m16, uint16_t* dst) {
+inline void dequantize_tile(const uint8_t* codes, const uint16_t* d16, const uint16_t* m16, uint16_t* dst,
+                            int64_t sub) {
   constexpr int64_t kCodeBytes = kQ4 ? kTileElems / 2 : kTileElems;
   prefetch_tiles_ahead(codes, kCodeBytes, d16, m16);
   __m512 d_lo, d_hi, m_lo = _mm512_setzero_ps(), m_hi = _mm512_setzero_ps();
   column_pairs(d16, d_lo, d_hi);
   if constexpr (kQ4) column_pairs(m16, m_lo, m_hi);
   for (int64_t r = 0; r < 16; ++r) {
+    if (!kQ4 && sub == 2 && r == 8) column_pairs(d16 + kTileN, d_lo, d_hi);
     __m512 w_lo, w_hi;
     if constexpr (kQ4) {
       // Byte j holds lane j's code in its low nibble and lane j + 16's in its high one: widened to
@@ -117,15 +121,15 @@ inline void dequantize_tile(const uint8_t* codes, const uint16_t* d16, const uin
 // Sapphire Rapids, this hides only about a third of the dequantization: the two mostly take turns).
 template <bool kQ4, typename Out>
 void gemm_columns(const at::BFloat16* x, int64_t M, int64_t rows, int64_t K, const uint8_t* codes,
-                  const uint16_t* d16, const uint16_t* m16, Out* out, int64_t N, int64_t t0, int64_t t1,
+                  const uint16_t* d16, const uint16_t* m16, int64_t sub, Out* out, int64_t N, int64_t t0, int64_t t1,
                   ColumnPairs pairs, uint16_t* scratch) {
   constexpr int64_t kTileBytes = kQ4 ? kTileElems / 2 : kTileElems;
   const int64_t kt = K / kTileK, x_stride = K * static_cast<int64_t>(sizeof(at::BFloat16));
   const int64_t half = 2 * kt * kTileElems;
   auto dequantize = [&](int64_t t, int64_t j, uint16_t* dst) {
     const int64_t tile = pairs.tile(t, j, kt);
-    dequantize_tile<kQ4>(codes + tile * kTileBytes, d16 + tile * kTileN, kQ4 ? m16 + tile * kTileN : nullptr,
-                         dst + j * kTileElems);
+    dequantize_tile<kQ4>(codes + tile * kTileBytes, d16 + tile * kTileN * sub, kQ4 ? m16 + tile * kTileN : nullptr,
+                         dst + j * kTileElems, sub);
   };
   auto tiles_of = [&](int64_t t) { return t < t1 ? (pairs.two(t, t1) ? 2 : 1) * kt : 0; };
   for (int64_t j = 0; j < tiles_of(t0); ++j) dequantize(t0, j, scratch);
@@ -232,7 +236,7 @@ constexpr int64_t kDotRows = 12;  // rows of x a dot_rows pass takes at most: 24
 // overlap), then multiplied by blocks of rows.
 template <bool kQ4, typename Out>
 void gemm_columns_bf16(const at::BFloat16* x, int64_t rows, int64_t K, const uint8_t* codes, const uint16_t* d16,
-                       const uint16_t* m16, Out* out, int64_t N, int64_t t0, int64_t t1, ColumnPairs pairs,
+                       const uint16_t* m16, int64_t sub, Out* out, int64_t N, int64_t t0, int64_t t1, ColumnPairs pairs,
                        uint16_t* scratch) {
   constexpr int64_t kTileBytes = kQ4 ? kTileElems / 2 : kTileElems;
   const int64_t kt = K / kTileK;
@@ -242,8 +246,8 @@ void gemm_columns_bf16(const at::BFloat16* x, int64_t rows, int64_t K, const uin
     const bool two_cols = pairs.two(t, t1);
     for (int64_t j = 0; j < (two_cols ? 2 : 1) * kt; ++j) {
       const int64_t tile = pairs.tile(t, j, kt);
-      dequantize_tile<kQ4>(codes + tile * kTileBytes, d16 + tile * kTileN, kQ4 ? m16 + tile * kTileN : nullptr,
-                           scratch + j * kTileElems);
+      dequantize_tile<kQ4>(codes + tile * kTileBytes, d16 + tile * kTileN * sub, kQ4 ? m16 + tile * kTileN : nullptr,
+                           scratch + j * kTileElems, sub);
     }
     const uint16_t* b1 = two_cols ? scratch + kt * kTileElems : scratch;
     for (int64_t m = 0; m < rows; m += per) {
@@ -264,15 +268,16 @@ void gemm_columns_bf16(const at::BFloat16* x, int64_t rows, int64_t K, const uin
 
 #pragma GCC pop_options
 
-void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t tile_bytes,
-           at::ScalarType code_type, bool amx) {
+// The scales a tile's column has (see check_tiles).
+int64_t check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t tile_bytes,
+              at::ScalarType code_type, bool amx) {
   TORCH_CHECK(!amx || request_amx(), "this CPU or kernel gives no AMX tile data to the process");
-  check_tiles(x, codes, scales, tile_bytes, code_type);
+  return check_tiles(x, codes, scales, tile_bytes, code_type);
 }
 
 template <bool kQ4, typename Out>
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const uint16_t* mins,
-                bool amx, bool gated) {
+                int64_t sub, bool amx, bool gated) {
   const int64_t rows = x_in.size(0), K = x_in.size(1), tiles = codes.size(0);
   const ColumnPairs pairs = ColumnPairs::of(tiles, gated);
   const int64_t N = pairs.out_columns(tiles);
@@ -298,9 +303,9 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tenso
     scratch.resize(std::max<size_t>(scratch.size(), 4 * (K / kTileK) * kTileElems));
     const int64_t t0 = pairs.first(p0, tiles), t1 = pairs.first(p1, tiles);
     if (amx) {
-      gemm_columns<kQ4, Out>(xp, M, rows, K, c, d16, mins, o, N, t0, t1, pairs, scratch.data());
+      gemm_columns<kQ4, Out>(xp, M, rows, K, c, d16, mins, sub, o, N, t0, t1, pairs, scratch.data());
     } else {
-      gemm_columns_bf16<kQ4, Out>(xp, rows, K, c, d16, mins, o, N, t0, t1, pairs, scratch.data());
+      gemm_columns_bf16<kQ4, Out>(xp, rows, K, c, d16, mins, sub, o, N, t0, t1, pairs, scratch.data());
     }
   });
   return out;
@@ -312,15 +317,15 @@ at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous(),
               "mins must be shaped and typed like scales");
   const auto* m16 = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  return fp32_out(out_dtype) ? gemm<true, float>(x, codes, scales, m16, amx, gated)
-                             : gemm<true, at::BFloat16>(x, codes, scales, m16, amx, gated);
+  return fp32_out(out_dtype) ? gemm<true, float>(x, codes, scales, m16, 1, amx, gated)
+                             : gemm<true, at::BFloat16>(x, codes, scales, m16, 1, amx, gated);
 }
 
 at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    std::optional<at::ScalarType> out_dtype, bool gated, bool amx) {
-  check(x, codes, scales, kTileElems, at::kChar, amx);
-  return fp32_out(out_dtype) ? gemm<false, float>(x, codes, scales, nullptr, amx, gated)
-                             : gemm<false, at::BFloat16>(x, codes, scales, nullptr, amx, gated);
+  const int64_t sub = check(x, codes, scales, kTileElems, at::kChar, amx);
+  return fp32_out(out_dtype) ? gemm<false, float>(x, codes, scales, nullptr, sub, amx, gated)
+                             : gemm<false, at::BFloat16>(x, codes, scales, nullptr, sub, amx, gated);
 }
 
 at::Tensor q4_gemm_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,

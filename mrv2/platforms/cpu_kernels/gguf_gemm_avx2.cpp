@@ -12,7 +12,8 @@
 // Weights are laid out at load (`mrv2.layers.quantization.GemmTiles`, engine "avx2"): for each strip of 8
 // output columns n and block of 32 input features, 8 groups of four features, each 8 columns by 4 codes:
 // [N / 8, K / 32, 8 g, 8 n, 4] bytes, byte (g, n, i) = q(n, 4g + i), uint8 for Q4 (weight = d * q + m),
-// int8 for Q8_0 (weight = d * q); fp32 scales d (and mins m) [N / 8, K / 32, 8 n].
+// int8 for Q8_0 and Q6_K (weight = d * q); fp32 scales d (and mins m) [N / 8, K / 32, 8 n], Q6_K's [N / 8,
+// K / 32, 2, 8 n] (one for features 0..15 of a block, one for 16..31).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -77,11 +78,12 @@ inline __m256i broadcast4(const void* p) {
   return _mm256_set1_epi32(v);
 }
 
-// The first R rows of a panel (codes `panel`, scales and sums `d`, `s`) against one strip of 8 columns:
-// out[r, 0..8) with row stride ldo.
-template <int R, bool kQ4>
+// The first R rows of a panel (codes `panel`, scales and sums `d`, `s`) against one strip of 8 columns (kSub
+// scales a block, 2 for Q8 codes with one per 16 features): out[r, 0..8) with row stride ldo.
+template <int R, bool kQ4, int kSub>
 void strip_rows(const uint8_t* panel, const float* d, const float* s, int64_t nb, const uint8_t* codes,
                 const float* scales, const float* mins, float* out, int64_t ldo) {
+  static_assert(kSub == 1 || (kSub == 2 && !kQ4), "sub-block scales are for Q8 codes");
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -92,6 +94,13 @@ void strip_rows(const uint8_t* panel, const float* d, const float* s, int64_t nb
     for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int g = 0; g < 8; ++g) {
+      if (kSub == 2 && g == 4) {  // the block's first 16 features, under their own scale
+        const __m256 dw = _mm256_loadu_ps(scales + kStrip * 2 * b);
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(dw, _mm256_set1_ps(d[b * kRows + r])), acc[r]);
+          sums[r] = _mm256_setzero_si256();
+        }
+      }
       const __m256i wg = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * g));
       const uint8_t* xg = xb + g * kGroupBytes;
       if constexpr (kQ4) {
@@ -106,7 +115,7 @@ void strip_rows(const uint8_t* panel, const float* d, const float* s, int64_t nb
         }
       }
     }
-    const __m256 dw = _mm256_loadu_ps(scales + kStrip * b);
+    const __m256 dw = _mm256_loadu_ps(scales + kStrip * (kSub * b + kSub - 1));
     __m256 mw;
     if constexpr (kQ4) mw = _mm256_loadu_ps(mins + kStrip * b);
     for (int r = 0; r < R; ++r) {
@@ -119,22 +128,22 @@ void strip_rows(const uint8_t* panel, const float* d, const float* s, int64_t nb
 }
 
 // The first n <= R rows of a panel against one strip.
-template <int R, bool kQ4>
+template <int R, bool kQ4, int kSub>
 void tail_rows(int64_t n, const uint8_t* panel, const float* d, const float* s, int64_t nb, const uint8_t* codes,
                const float* scales, const float* mins, float* out, int64_t ldo) {
   if constexpr (R > 1) {
-    if (n < R) return tail_rows<R - 1, kQ4>(n, panel, d, s, nb, codes, scales, mins, out, ldo);
+    if (n < R) return tail_rows<R - 1, kQ4, kSub>(n, panel, d, s, nb, codes, scales, mins, out, ldo);
   }
-  strip_rows<R, kQ4>(panel, d, s, nb, codes, scales, mins, out, ldo);
+  strip_rows<R, kQ4, kSub>(panel, d, s, nb, codes, scales, mins, out, ldo);
 }
 
 // Rows [r0, r1) of x (r0 a multiple of kRows; its panels `panels`, `d`, `s`) against one strip, a panel at a time.
-template <bool kQ4>
+template <bool kQ4, int kSub>
 void strip(const uint8_t* panels, const float* d, const float* s, int64_t nb, int64_t r0, int64_t r1,
            const uint8_t* codes, const float* scales, const float* mins, float* out, int64_t ldo) {
   for (int64_t r = r0; r < r1; r += kRows) {
     const int64_t p = r / kRows;
-    tail_rows<kRows, kQ4>(std::min(kRows, r1 - r), panels + p * nb * 8 * kGroupBytes, d + p * nb * kRows,
+    tail_rows<kRows, kQ4, kSub>(std::min(kRows, r1 - r), panels + p * nb * 8 * kGroupBytes, d + p * nb * kRows,
                           s + p * nb * kRows, nb, codes, scales, mins, out + r * ldo, ldo);
   }
 }
@@ -145,22 +154,28 @@ inline int64_t panel_floats(int64_t M, int64_t nb) { return (M + kRows - 1) / kR
 
 #pragma GCC pop_options
 
-void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, at::ScalarType code_type,
-           std::optional<at::ScalarType> out_dtype, bool gated) {
+// Returns the scales a block has: 1, or 2 for int8 codes with scales [N / 8, K / 32, 2, 8] (Q6_K's 16-weight
+// sub-blocks: features 0..15, then 16..31).
+int64_t check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, at::ScalarType code_type,
+              std::optional<at::ScalarType> out_dtype, bool gated) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
   TORCH_CHECK(codes.dim() == 5 && codes.size(2) == 8 && codes.size(3) == kStrip && codes.size(4) == 4 &&
               codes.scalar_type() == code_type && codes.is_contiguous(),
               "codes must be contiguous [N / 8, K / 32, 8, 8, 4] ", code_type == at::kByte ? "uint8" : "int8");
   TORCH_CHECK(codes.size(1) * kBlock == x.size(1), "codes hold K = ", codes.size(1) * kBlock,
               " input features, x has ", x.size(1));
-  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
-              scales.size(2) == kStrip && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "scales must be contiguous float32 [N / 8, K / 32, 8]");
+  const bool two = code_type == at::kChar && scales.dim() == 4;
+  TORCH_CHECK((scales.dim() == 3 || two) && scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
+              scales.size(-1) == kStrip && (!two || scales.size(2) == 2) && scales.scalar_type() == at::kFloat &&
+              scales.is_contiguous(),
+              "scales must be contiguous float32 [N / 8, K / 32, 8]",
+              code_type == at::kChar ? " (or [N / 8, K / 32, 2, 8]: two a block)" : "");
   TORCH_CHECK(out_dtype.value_or(at::kFloat) == at::kFloat, "out_dtype must be float32 (x's), got ", *out_dtype);
   TORCH_CHECK(!gated, "the AVX2 block GEMM has no gated product");
+  return two ? 2 : 1;
 }
 
-template <bool kQ4>
+template <bool kQ4, int kSub>
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const float* mins) {
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, strips = codes.size(0), N = strips * kStrip;
@@ -183,7 +198,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tenso
         const int64_t r0 = u / strips * kChunkRows, st = u % strips, r1 = std::min(r0 + kChunkRows, M);
         const uint8_t* w = c + st * nb * kStripBlockBytes;
         const float* m = mins != nullptr ? mins + st * nb * kStrip : nullptr;
-        strip<kQ4>(panels.data(), d.data(), s.data(), nb, r0, r1, w, sc + st * nb * kStrip, m, o + st * kStrip, N);
+        strip<kQ4, kSub>(panels.data(), d.data(), s.data(), nb, r0, r1, w, sc + st * nb * kStrip * kSub, m,
+                         o + st * kStrip, N);
       }
     });
   }
@@ -195,13 +211,13 @@ at::Tensor q4_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at::
   check(x, codes, scales, at::kByte, out_dtype, gated);
   TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kFloat && mins.is_contiguous(),
               "mins must be shaped and typed like scales");
-  return gemm<true>(x, codes, scales, mins.data_ptr<float>());
+  return gemm<true, 1>(x, codes, scales, mins.data_ptr<float>());
 }
 
 at::Tensor q8_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         std::optional<at::ScalarType> out_dtype, bool gated) {
-  check(x, codes, scales, at::kChar, out_dtype, gated);
-  return gemm<false>(x, codes, scales, nullptr);
+  return check(x, codes, scales, at::kChar, out_dtype, gated) == 2 ? gemm<false, 2>(x, codes, scales, nullptr)
+                                                                   : gemm<false, 1>(x, codes, scales, nullptr);
 }
 
 }  // namespace

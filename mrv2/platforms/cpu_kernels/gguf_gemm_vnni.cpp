@@ -14,7 +14,9 @@
 // Weights stay in the bf16 GEMM's tile layout (`GemmTiles`, engine "bf16"; see `gguf_gemm.cpp`). Each unit of
 // work (a pair of 16-column tiles) first unpacks its tiles into cache as `vpdpbusd` takes them: for each block
 // of 32 features, 8 groups of four, each 16 columns by 4 unsigned bytes (byte (g, n, i) the code of column n,
-// feature 4g + i: a Q4 code 0..15, a Q8_0 code plus 128), the block's scales (and mins) as fp32 beside them.
+// feature 4g + i: a Q4 code 0..15, a Q8 code plus 128), the block's scales (and mins) as fp32 beside them. Q8
+// codes may have two scales a block (Q6_K's 16-weight sub-blocks): groups 0-3 are summed under the first, 4-7
+// under the second.
 // x's codes are signed: a Q8_0 block's sum of (q + 128) * c starts at -128 times the block's sum of x's codes c.
 
 #include <ATen/ATen.h>
@@ -41,14 +43,14 @@ constexpr int64_t kPassRows = 12;                 // rows a pass serves: 12 int3
 // x [rows, K] as the products take it, in panels of `per` rows (a pass's; the last panel may hold fewer): per
 // panel and block of 32 features, the rows' int8 codes four features at a time ([8 groups, per, 4] bytes), so
 // that one pointer serves every row of a pass; and per panel, block and row, the scale (max |x| / 127), the
-// exact sum of the block's values (what a Q4 block's min multiplies) and -128 times the sum of its codes (where
-// a Q8_0 block's sums start).
+// exact sum of the block's values (what a Q4 block's min multiplies) and -128 times the sums of its codes, its
+// first 16 and its last 16 (where a Q8 block's sums start: both for one scale a block, each for one of two).
 struct QuantizedX {
   int64_t K, kt, per;
   int32_t* codes;  // four codes each
   float* scale;
   float* sum;
-  int32_t* offset;
+  int32_t* offset;  // two a block
 
   // Over buffers of the calling thread's, kept from call to call (fresh ones of a few hundred KB would be
   // mapped and faulted in on every call).
@@ -56,7 +58,7 @@ struct QuantizedX {
     thread_local std::vector<int32_t> ints;
     thread_local std::vector<float> floats;
     const int64_t panel_rows = (rows + per - 1) / per * per, blocks = panel_rows * kt;
-    ints.resize(std::max<size_t>(ints.size(), panel_rows * K / 4 + blocks));
+    ints.resize(std::max<size_t>(ints.size(), panel_rows * K / 4 + 2 * blocks));
     floats.resize(std::max<size_t>(floats.size(), 2 * blocks));
     codes = ints.data();
     offset = codes + panel_rows * K / 4;
@@ -82,7 +84,8 @@ struct QuantizedX {
         const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
         const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-        offset[at] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+        offset[2 * at] = -128 * _mm512_reduce_add_epi32(c0);
+        offset[2 * at + 1] = -128 * _mm512_reduce_add_epi32(c1);
         alignas(32) int32_t four[8];  // the block's codes, four to a lane
         _mm_store_si128(reinterpret_cast<__m128i*>(four), _mm512_cvtsepi32_epi8(c0));
         _mm_store_si128(reinterpret_cast<__m128i*>(four + 4), _mm512_cvtsepi32_epi8(c1));
@@ -94,12 +97,14 @@ struct QuantizedX {
 };
 
 // One weight tile (16 columns x 32 features: `codes` in the tile layout, fp16 scales `d16` and mins `m16`) to
-// `dst` (kBlockBytes) and fp32 `d`, `m` (16 each).
-template <bool kQ4>
+// `dst` (kBlockBytes) and fp32 `d` (16 a scale the block has: kSub) and `m` (16).
+template <bool kQ4, int kSub>
 inline void unpack_tile(const uint8_t* codes, const uint16_t* d16, const uint16_t* m16, uint8_t* dst, float* d,
                         float* m) {
   prefetch_tiles_ahead(codes, kQ4 ? kTileElems / 2 : kTileElems, d16, m16);
-  _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d16))));
+  for (int h = 0; h < kSub; ++h) {
+    _mm512_storeu_ps(d + kTileN * h, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d16 + kTileN * h))));
+  }
   if constexpr (kQ4) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m16))));
   auto* out = reinterpret_cast<__m128i*>(dst);
   for (int g = 0; g < 8; ++g, out += 4) {
@@ -132,8 +137,8 @@ inline void unpack_tile(const uint8_t* codes, const uint16_t* d16, const uint16_
 }
 
 // Rows [m, m + R) of x (m the first row of a panel) against one unpacked column tile (all kt blocks: codes
-// `w`, scales `d`, mins `mn`), the fp32 sums to `sums` ([R, 16]).
-template <int R, bool kQ4>
+// `w`, scales `d` (kSub a block: one per 32 / kSub features), mins `mn`), the fp32 sums to `sums` ([R, 16]).
+template <int R, bool kQ4, int kSub>
 void tile_rows(const QuantizedX& x, int64_t m, const uint8_t* w, const float* d, const float* mn, float* sums) {
   __m512 acc[R];
 #pragma GCC unroll 16
@@ -142,39 +147,47 @@ void tile_rows(const QuantizedX& x, int64_t m, const uint8_t* w, const float* d,
   const int32_t* xc = x.codes + x.group0(m, 0);
   const float* xs = x.scale + x.block(m, 0);
   const float* xsum = x.sum + x.block(m, 0);
-  const int32_t* xoff = x.offset + x.block(m, 0);
-  for (int64_t b = 0; b < x.kt; ++b, xc += 8 * per, xs += per, xsum += per, xoff += per) {
+  const int32_t* xoff = x.offset + 2 * x.block(m, 0);
+  for (int64_t b = 0; b < x.kt; ++b, xc += 8 * per, xs += per, xsum += per, xoff += 2 * per) {
     const uint8_t* wb = w + b * kBlockBytes;
-    __m512i isum[R];
+#pragma GCC unroll 2
+    for (int h = 0; h < kSub; ++h) {  // the groups of four features one scale covers: 8 / kSub of them
+      __m512i isum[R];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) isum[r] = kQ4 ? _mm512_setzero_si512() : _mm512_set1_epi32(xoff[r]);
+      for (int r = 0; r < R; ++r) {
+        const int32_t start = kSub == 2 ? xoff[2 * r + h] : xoff[2 * r] + xoff[2 * r + 1];
+        isum[r] = kQ4 ? _mm512_setzero_si512() : _mm512_set1_epi32(start);
+      }
 #pragma GCC unroll 8
-    for (int g = 0; g < 8; ++g) {
-      const __m512i wg = _mm512_loadu_si512(wb + g * kGroupBytes);
-      const int32_t* xg = xc + g * per;
+      for (int g = h * 8 / kSub; g < (h + 1) * 8 / kSub; ++g) {
+        const __m512i wg = _mm512_loadu_si512(wb + g * kGroupBytes);
+        const int32_t* xg = xc + g * per;
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) isum[r] = _mm512_dpbusd_epi32(isum[r], wg, _mm512_set1_epi32(xg[r]));
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_dpbusd_epi32(isum[r], wg, _mm512_set1_epi32(xg[r]));
+      }
+      const __m512 db = _mm512_loadu_ps(d + kTileN * (kSub * b + h));
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(db, _mm512_set1_ps(xs[r])), acc[r]);
+      }
     }
-    const __m512 db = _mm512_loadu_ps(d + 16 * b);
-    __m512 mb = _mm512_setzero_ps();
-    if constexpr (kQ4) mb = _mm512_loadu_ps(mn + 16 * b);
+    if constexpr (kQ4) {
+      const __m512 mb = _mm512_loadu_ps(mn + 16 * b);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(db, _mm512_set1_ps(xs[r])), acc[r]);
-      if constexpr (kQ4) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(xsum[r]), acc[r]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(xsum[r]), acc[r]);
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums + 16 * r, acc[r]);
 }
 
-template <bool kQ4>
+template <bool kQ4, int kSub>
 void tile_rows_n(int64_t n, const QuantizedX& x, int64_t m, const uint8_t* w, const float* d, const float* mn,
                  float* sums) {
   switch (n) {
 #define MRV2_TILE_ROWS(r) \
   case r:                 \
-    return tile_rows<r, kQ4>(x, m, w, d, mn, sums);
+    return tile_rows<r, kQ4, kSub>(x, m, w, d, mn, sums);
     MRV2_TILE_ROWS(1) MRV2_TILE_ROWS(2) MRV2_TILE_ROWS(3) MRV2_TILE_ROWS(4) MRV2_TILE_ROWS(5) MRV2_TILE_ROWS(6)
     MRV2_TILE_ROWS(7) MRV2_TILE_ROWS(8) MRV2_TILE_ROWS(9) MRV2_TILE_ROWS(10) MRV2_TILE_ROWS(11) MRV2_TILE_ROWS(12)
 #undef MRV2_TILE_ROWS
@@ -183,30 +196,31 @@ void tile_rows_n(int64_t n, const QuantizedX& x, int64_t m, const uint8_t* w, co
   }
 }
 
-// A column tile unpacked: its blocks' codes, then their scales, then their mins.
+// A column tile unpacked: its blocks' codes, then their scales (room for two a block), then their mins.
 struct Unpacked {
   uint8_t* codes;
   float* d;
   float* m;
 
   Unpacked(uint8_t* base, int64_t kt) : codes(base), d(reinterpret_cast<float*>(base + kt * kBlockBytes)),
-                                        m(d + kt * kTileN) {}
-  static int64_t bytes(int64_t kt) { return kt * (kBlockBytes + 2 * kTileN * sizeof(float)); }
+                                        m(d + 2 * kt * kTileN) {}
+  static int64_t bytes(int64_t kt) { return kt * (kBlockBytes + 3 * kTileN * sizeof(float)); }
 
-  template <bool kQ4>
+  template <bool kQ4, int kSub>
   void fill(const uint8_t* codes_in, const uint16_t* d16, const uint16_t* m16, int64_t tile0, int64_t kt) {
     constexpr int64_t kTileBytes = kQ4 ? kTileElems / 2 : kTileElems;
     for (int64_t b = 0; b < kt; ++b) {
       const int64_t tile = tile0 + b;
-      unpack_tile<kQ4>(codes_in + tile * kTileBytes, d16 + tile * kTileN, kQ4 ? m16 + tile * kTileN : nullptr,
-                       codes + b * kBlockBytes, d + b * kTileN, m + b * kTileN);
+      unpack_tile<kQ4, kSub>(codes_in + tile * kTileBytes, d16 + tile * kTileN * kSub,
+                             kQ4 ? m16 + tile * kTileN : nullptr, codes + b * kBlockBytes, d + b * kTileN * kSub,
+                             m + b * kTileN);
     }
   }
 };
 
 // out[:, column tiles [t0, t1)]: a pair of column tiles at a time, unpacked into `scratch`, then multiplied by
 // passes of rows.
-template <bool kQ4, typename Out>
+template <bool kQ4, int kSub, typename Out>
 void gemm_columns(const QuantizedX& x, int64_t rows, const uint8_t* codes, const uint16_t* d16, const uint16_t* m16,
                   Out* out, int64_t N, int64_t t0, int64_t t1, ColumnPairs pairs, uint8_t* scratch) {
   const int64_t kt = x.kt;
@@ -215,13 +229,13 @@ void gemm_columns(const QuantizedX& x, int64_t rows, const uint8_t* codes, const
   alignas(64) float sums0[kPassRows * kTileN], sums1[kPassRows * kTileN];
   for (int64_t t = t0; t < t1; t += pairs.step()) {
     const bool two_cols = pairs.two(t, t1);
-    first.fill<kQ4>(codes, d16, m16, t * kt, kt);
-    if (two_cols) second.fill<kQ4>(codes, d16, m16, (t + pairs.partner()) * kt, kt);
+    first.fill<kQ4, kSub>(codes, d16, m16, t * kt, kt);
+    if (two_cols) second.fill<kQ4, kSub>(codes, d16, m16, (t + pairs.partner()) * kt, kt);
     const int64_t n = t * kTileN;
     for (int64_t m = 0; m < rows; m += per) {
       const int64_t r = std::min(per, rows - m);
-      tile_rows_n<kQ4>(r, x, m, first.codes, first.d, first.m, sums0);
-      if (two_cols) tile_rows_n<kQ4>(r, x, m, second.codes, second.d, second.m, sums1);
+      tile_rows_n<kQ4, kSub>(r, x, m, first.codes, first.d, first.m, sums0);
+      if (two_cols) tile_rows_n<kQ4, kSub>(r, x, m, second.codes, second.d, second.m, sums1);
       if (pairs.gated) {
         store_gated(sums0, sums1, r, out, N, m, n);
         continue;
@@ -232,7 +246,7 @@ void gemm_columns(const QuantizedX& x, int64_t rows, const uint8_t* codes, const
   }
 }
 
-template <bool kQ4, typename Out>
+template <bool kQ4, int kSub, typename Out>
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const uint16_t* mins,
                 bool gated) {
   const int64_t rows = x.size(0), K = x.size(1), tiles = codes.size(0);
@@ -252,7 +266,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
     // Kept from call to call: a fresh buffer would be mapped and faulted in on every call.
     thread_local std::vector<uint8_t> scratch;
     scratch.resize(std::max<size_t>(scratch.size(), 2 * Unpacked::bytes(K / kTileK)));
-    gemm_columns<kQ4, Out>(xq, rows, c, d16, mins, o, N, pairs.first(p0, tiles), pairs.first(p1, tiles), pairs,
+    gemm_columns<kQ4, kSub, Out>(xq, rows, c, d16, mins, o, N, pairs.first(p0, tiles), pairs.first(p1, tiles), pairs,
                            scratch.data());
   });
   return out;
@@ -266,15 +280,18 @@ at::Tensor q4_gemm_vnni(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous(),
               "mins must be shaped and typed like scales");
   const auto* m16 = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  return fp32_out(out_dtype) ? gemm<true, float>(x, codes, scales, m16, gated)
-                             : gemm<true, at::BFloat16>(x, codes, scales, m16, gated);
+  return fp32_out(out_dtype) ? gemm<true, 1, float>(x, codes, scales, m16, gated)
+                             : gemm<true, 1, at::BFloat16>(x, codes, scales, m16, gated);
 }
 
 at::Tensor q8_gemm_vnni(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         std::optional<at::ScalarType> out_dtype, bool gated) {
-  check_tiles(x, codes, scales, kTileElems, at::kChar);
-  return fp32_out(out_dtype) ? gemm<false, float>(x, codes, scales, nullptr, gated)
-                             : gemm<false, at::BFloat16>(x, codes, scales, nullptr, gated);
+  if (check_tiles(x, codes, scales, kTileElems, at::kChar) == 2) {
+    return fp32_out(out_dtype) ? gemm<false, 2, float>(x, codes, scales, nullptr, gated)
+                               : gemm<false, 2, at::BFloat16>(x, codes, scales, nullptr, gated);
+  }
+  return fp32_out(out_dtype) ? gemm<false, 1, float>(x, codes, scales, nullptr, gated)
+                             : gemm<false, 1, at::BFloat16>(x, codes, scales, nullptr, gated);
 }
 
 }  // namespace

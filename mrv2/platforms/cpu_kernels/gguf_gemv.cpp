@@ -5,7 +5,8 @@
 // A weight [N, K] keeps GGUF's blocks of 32 weights along K, one fp16 scale (and min) each:
 // - q4: codes uint8 [N, K / 2], byte j of a block holding weight j in its low nibble and
 //   weight j + 16 in its high one (GGUF's Q4_0/Q4_1 order); weight = d * q + m;
-// - q8: codes int8 [N, K]; weight = d * q.
+// - q8: codes int8 [N, K]; weight = d * q, with one scale a block, or two (`sub_blocks`: one per 16
+//   weights, as GGUF's Q6_K has, held as q - 32).
 // Weights are read from memory once per call whatever the rows of x: a few rows a pass, over
 // tiles of weight rows kept in cache. Output rows are split over the intra-op threads.
 // `isa` is the instruction set the caller found in the CPU's flags: 2 for AVX512-VNNI
@@ -56,10 +57,10 @@ constexpr int64_t kTileRows = 16;  // weight rows every pass reads while they ar
 // Rows of x's per-block values (scales, sums) are padded with zeros to whole 8-float vectors, so that
 // they are converted and multiplied without scalar tails. The weights' scales and mins are stored
 // unpadded (every byte of them is read each step), a row right after the previous one, with
-// kScaleTail zeros after the last row: the 8-wide loads past a row's end read the next row's values
-// (or the tail), which x's zero padding multiplies away.
+// kScaleTail zeros after the last row: the wide loads (8 scales, 16 where a block has two) past a row's
+// end read the next row's values (or the tail), which x's zero padding multiplies away.
 constexpr int64_t padded_blocks(int64_t blocks) { return (blocks + 7) / 8 * 8; }
-constexpr int64_t kScaleTail = 8;
+constexpr int64_t kScaleTail = 16;
 
 // Rows of x as int16 codes per 32-value block, with each block's scale and exact sum (rows of
 // padded_blocks values). Rows the single-row AVX-512 Q4 kernel takes hold their codes as byte
@@ -158,32 +159,39 @@ void quantize_x_planes(const T* x, int64_t nb, uint8_t* planes, float* d, float*
   }
 }
 
-// The rows of one call of `dot_row_q8` (below), R at a time.
-template <int R, typename T>
+// The rows of one call of `dot_row_q8` (below), R at a time; kSub scales a block (2: one per 16 weights).
+template <int R, int kSub, typename T>
 void dot_row_group_q8(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, T* out,
                       int64_t n0, int64_t n1) {
-  const int64_t nb = K / 32;
+  const int64_t nb = K / 32, ns = nb * kSub;  // ns: a weight row's scales
+  constexpr int64_t kChunk = 16 / kSub;       // blocks whose 16 scales are converted at a time
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i lane_blocks = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const int64_t ahead = rows_ahead(K) * nb;
+  // The scale of each int32 lane (its four products) among a step's: lanes 0-7 block j, 8-15 block j + 1; with
+  // two scales a block, lanes 0-3 and 4-7 (its first and last 16 weights) have one each.
+  const __m512i lane_blocks = kSub == 1 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                        : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const int64_t ahead = rows_ahead(K) * ns;
   for (int64_t n = n0; n + R <= n1; n += R) {
     const uint8_t* wrow = codes + n * K;
-    prefetch_ahead(wrow, K, R, d16 + n * nb + ahead, nullptr, nb);
+    prefetch_ahead(wrow, K, R, d16 + n * ns + ahead, nullptr, ns);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
-      const int64_t cb = std::min<int64_t>(16, nb - b0);
+    for (int64_t b0 = 0; b0 < nb; b0 += kChunk) {
+      const int64_t cb = std::min<int64_t>(kChunk, nb - b0);
       const auto valid = static_cast<__mmask16>((1u << cb) - 1);
-      const __m512 xd = _mm512_maskz_loadu_ps(valid, qx.d + b0);
+      const auto valid_scales = static_cast<__mmask16>((1u << (cb * kSub)) - 1);
+      __m512 xd = _mm512_maskz_loadu_ps(valid, qx.d + b0);
+      if constexpr (kSub == 2) xd = _mm512_permutexvar_ps(twice, xd);  // x's block scale for each of its halves
       __m512 dd[R];  // the blocks' weight scales times x's
       for (int r = 0; r < R; ++r) {
-        dd[r] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, d16 + (n + r) * nb + b0)), xd);
+        dd[r] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid_scales, d16 + (n + r) * ns + b0 * kSub)), xd);
       }
       for (int64_t j = 0; j < cb; j += 2) {  // 2 blocks: 64 bytes of codes, 256-bit half k block j + k
         const uint8_t* xp = qx.planes + (b0 + j) / 2 * plane_group_bytes(false);
         const __m512i xh = _mm512_loadu_si512(xp), xl = _mm512_loadu_si512(xp + 64);
         const __m512i high_bias = _mm512_loadu_si512(xp + 128);
-        const __m512i lane_scale = _mm512_add_epi32(lane_blocks, _mm512_set1_epi32(static_cast<int>(j)));
+        const __m512i lane_scale = _mm512_add_epi32(lane_blocks, _mm512_set1_epi32(static_cast<int>(j * kSub)));
         const bool whole = cb - j >= 2;
         for (int r = 0; r < R; ++r) {
           const uint8_t* w = wrow + r * K + 32 * (b0 + j);
@@ -206,12 +214,12 @@ void dot_row_group_q8(const QuantizedX& qx, int64_t K, const uint8_t* codes, con
 // (unsigned) multiply the codes as they are. 7 instructions per 2 blocks where sign-extending each
 // block to int16 for vpmaddwd took 7 a block. Rows go kGroupRows at a time, sharing x's loads, each
 // row's result what it would be alone (the same sums in the same order).
-template <typename T>
+template <int kSub, typename T>
 void dot_row_q8(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uint16_t* d16, T* out, int64_t n0,
                 int64_t n1) {
   const int64_t grouped = n0 + (n1 - n0) / kGroupRows * kGroupRows;
-  dot_row_group_q8<kGroupRows, T>(qx, K, codes, d16, out, n0, grouped);
-  dot_row_group_q8<1, T>(qx, K, codes, d16, out, grouped, n1);
+  dot_row_group_q8<kGroupRows, kSub, T>(qx, K, codes, d16, out, n0, grouped);
+  dot_row_group_q8<1, kSub, T>(qx, K, codes, d16, out, grouped, n1);
 }
 
 // The rows of one call of `dot_row_q4` (below), R at a time.
@@ -281,7 +289,7 @@ void dot_row_q4(const QuantizedX& qx, int64_t K, const uint8_t* codes, const uin
 #pragma GCC pop_options
 
 void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t code_cols_per_block,
-           at::ScalarType code_type, int64_t isa) {
+           at::ScalarType code_type, int64_t isa, int64_t sub_blocks = 1) {
   TORCH_CHECK(isa == 1 || isa == 2, "isa must be 1 (AVX2) or 2 (AVX512-VNNI), got ", isa);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in_features] tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
@@ -291,15 +299,16 @@ void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale
                   codes.size(1) == K / kBlock * code_cols_per_block,
               "codes must be contiguous [out_features, ", K / kBlock * code_cols_per_block, "] of ", code_type,
               ", got ", codes.sizes(), " of ", codes.scalar_type());
-  const int64_t length = codes.size(0) * (K / kBlock) + kScaleTail;
+  const int64_t length = codes.size(0) * (K / kBlock) * sub_blocks + kScaleTail;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 1 &&
                   scales.size(0) == length,
-              "scales must be contiguous fp16 [", length, "] (out_features rows of a scale per 32 in_features, then ",
-              kScaleTail, " zeros), got ", scales.sizes());
+              "scales must be contiguous fp16 [", length, "] (out_features rows of a scale per ", kBlock / sub_blocks,
+              " in_features, then ", kScaleTail, " zeros), got ", scales.sizes());
 }
 
-// x of type T, out of type O (T, or float: logits need not round to bf16 on their way to fp32).
-template <bool kQ4, typename T, typename O>
+// x of type T, out of type O (T, or float: logits need not round to bf16 on their way to fp32); kSub scales a
+// block of Q8 codes.
+template <bool kQ4, int kSub, typename T, typename O>
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const uint16_t* mins,
                 int64_t isa) {
   const int64_t rows = x.size(0), K = x.size(1), N = codes.size(0), nb = K / kBlock;
@@ -338,14 +347,14 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
         const QuantizedX qx{q.data() + r0 * K, d.data() + r0 * nbp, s.data() + r0 * nbp, planes.data()};
         O* orow = o + r0 * N;
         const int64_t m = std::min(pass_rows, rows - r0);
-#define ROWS(M, ISA) ISA::dot_rows<M, kQ4, O>(qx, K, c, d16, mins, orow, N, t0, t1)
+#define ROWS(M, ISA) ISA::dot_rows<M, kQ4, kSub, O>(qx, K, c, d16, mins, orow, N, t0, t1)
         if (isa == 2) {
           switch (m) {
             case 1:
               if constexpr (kQ4) {
                 vnni::dot_row_q4<O>(qx, K, c, d16, mins, orow, t0, t1);
               } else {
-                vnni::dot_row_q8<O>(qx, K, c, d16, orow, t0, t1);
+                vnni::dot_row_q8<kSub, O>(qx, K, c, d16, orow, t0, t1);
               }
               break;
             case 2: ROWS(2, vnni); break;
@@ -371,14 +380,14 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   return out;
 }
 
-template <bool kQ4>
+template <bool kQ4, int kSub = 1>
 at::Tensor gemv_to(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const uint16_t* mins,
                    int64_t isa, std::optional<at::ScalarType> out_dtype) {
   const at::ScalarType out = out_dtype.value_or(x.scalar_type());
   TORCH_CHECK(out == x.scalar_type() || out == at::kFloat, "out_dtype must be x's dtype or float32, got ", out);
-  if (x.scalar_type() == at::kFloat) return gemv<kQ4, float, float>(x, codes, scales, mins, isa);
-  return out == at::kFloat ? gemv<kQ4, at::BFloat16, float>(x, codes, scales, mins, isa)
-                           : gemv<kQ4, at::BFloat16, at::BFloat16>(x, codes, scales, mins, isa);
+  if (x.scalar_type() == at::kFloat) return gemv<kQ4, kSub, float, float>(x, codes, scales, mins, isa);
+  return out == at::kFloat ? gemv<kQ4, kSub, at::BFloat16, float>(x, codes, scales, mins, isa)
+                           : gemv<kQ4, kSub, at::BFloat16, at::BFloat16>(x, codes, scales, mins, isa);
 }
 
 at::Tensor q4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
@@ -390,16 +399,21 @@ at::Tensor q4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 }
 
 at::Tensor q8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t isa,
-                   std::optional<at::ScalarType> out_dtype) {
-  check(x, codes, scales, kBlock, at::kChar, isa);
-  return gemv_to<false>(x, codes, scales, nullptr, isa, out_dtype);
+                   std::optional<at::ScalarType> out_dtype, int64_t sub_blocks) {
+  TORCH_CHECK(sub_blocks == 1 || sub_blocks == 2, "sub_blocks (scales a 32-weight block) must be 1 or 2, got ",
+              sub_blocks);
+  check(x, codes, scales, kBlock, at::kChar, isa, sub_blocks);
+  return sub_blocks == 2 ? gemv_to<false, 2>(x, codes, scales, nullptr, isa, out_dtype)
+                         : gemv_to<false, 1>(x, codes, scales, nullptr, isa, out_dtype);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(mrv2_gguf, m) {
   m.def("q4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor mins, int isa, ScalarType? out_dtype=None) -> Tensor");
-  m.def("q8_gemv(Tensor x, Tensor codes, Tensor scales, int isa, ScalarType? out_dtype=None) -> Tensor");
+  // sub_blocks: scales a 32-weight block (2: one per 16 weights, Q6_K's).
+  m.def("q8_gemv(Tensor x, Tensor codes, Tensor scales, int isa, ScalarType? out_dtype=None, int sub_blocks=1) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mrv2_gguf, CPU, m) {
