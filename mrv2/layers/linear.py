@@ -2,8 +2,8 @@
 
 A shard may arrive quantized (`QuantizedWeight`, from a GGUF file); once every weight
 is loaded, `finalize_quantization` decides how the layer runs it: through the int4
-kernel for small batches (with a dense copy for larger ones when the budget allows),
-or dequantized. Dense float32 weights may run small batches on the platform's own GEMV
+kernel for small batches (with a dense copy for larger ones when the budget allows;
+shards of different types each on their own kernel), or dequantized. Dense float32 weights may run small batches on the platform's own GEMV
 (`use_dense_gemv`), larger ones through oneDNN or torch, as its policy says.
 
 Under tensor parallelism (`tp`, see `mrv2.distributed.parallel`) a linear holds a slice:
@@ -23,7 +23,7 @@ from mrv2.config import DenseGemvPolicy, QuantPolicy
 from mrv2.distributed.parallel import SINGLE, TensorParallel
 from mrv2.layers.batch_invariant import tiled_linear
 from mrv2.layers.packed import PACKED_DTYPES, PackedWeight, onednn_linear
-from mrv2.layers.quantization import BlockGemv, QuantizedMatmul, QuantizedWeight, quantized_matmul
+from mrv2.layers.quantization import BlockGemv, QuantizedMatmul, QuantizedWeight, stacked_matmul
 
 
 TPSlice = tuple[int, int, int]  # (dim, start, length) of a checkpoint tensor one rank reads
@@ -142,8 +142,8 @@ class Linear(nn.Module):
         self._quantized = [None] * len(parts)
         if all(p is None for p in parts):
             return
-        if all(p is not None for p in parts) and len({p.qtype for p in parts}) == 1:
-            self.int4 = quantized_matmul(QuantizedWeight.cat(parts), self.weight.dtype, policy)
+        if all(p is not None for p in parts):
+            self.int4 = stacked_matmul(parts, self.weight.dtype, policy)
         if self.int4 is not None:
             self.int4_max_rows = policy.int4_max_rows
             if not keep_dense:

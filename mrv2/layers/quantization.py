@@ -364,10 +364,48 @@ def block_gemv_supports(weight: QuantizedWeight) -> bool:
     return weight.mins is None or _fp16_holds(weight.mins)
 
 
-QuantizedMatmul = Int4Matmul | BlockGemv
+@dataclass(frozen=True)
+class StackedMatmul:
+    """x @ W^T for a weight stacked by rows from runs of different GGUF types (a fused projection whose shards the
+    file quantized differently, as Q4_K_M's Q4_K queries and keys beside Q6_K values): each run on its own kernel,
+    the outputs side by side."""
+
+    parts: tuple[Int4Matmul | BlockGemv, ...]
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.cat([part(x, out_dtype) for part in self.parts], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
 
 
-def quantized_matmul(weight: QuantizedWeight, dtype: torch.dtype, policy: QuantPolicy) -> QuantizedMatmul | None:
+QuantizedMatmul = Int4Matmul | BlockGemv | StackedMatmul
+
+
+def block_gemvs(matmul: QuantizedMatmul | None) -> list[BlockGemv]:
+    """The block GEMVs `matmul` runs on (none for torch's int4 kernel)."""
+    parts = matmul.parts if isinstance(matmul, StackedMatmul) else (matmul,)
+    return [part for part in parts if isinstance(part, BlockGemv)]
+
+
+def stacked_matmul(shards: list[QuantizedWeight], dtype: torch.dtype,
+                   policy: QuantPolicy) -> QuantizedMatmul | None:
+    """The policy's kernels for `shards` stacked by rows: one for each run of shards of one type (see
+    `quantized_matmul`); None where any run has none (the weight is dequantized)."""
+    runs: list[list[QuantizedWeight]] = []
+    for shard in shards:
+        if runs and runs[-1][0].qtype == shard.qtype:
+            runs[-1].append(shard)
+        else:
+            runs.append([shard])
+    parts = [quantized_matmul(QuantizedWeight.cat(run), dtype, policy) for run in runs]
+    if any(part is None for part in parts):
+        return None
+    return parts[0] if len(parts) == 1 else StackedMatmul(tuple(parts))
+
+
+def quantized_matmul(weight: QuantizedWeight, dtype: torch.dtype, policy: QuantPolicy) -> Int4Matmul | BlockGemv | None:
     """The policy's kernel for `weight`: the block GEMV where it holds the weight exactly, else torch's
     int4 kernel where its shapes allow; None: neither (the weight is dequantized)."""
     if not policy.uses_int4:

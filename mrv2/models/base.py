@@ -30,7 +30,7 @@ from mrv2.layers.embedding import VocabEmbedding
 from mrv2.layers.linear import Linear, TPSlice, dense_linear, pack_linears, plain_fp32, use_dense_gemv
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.packed import PACKED_DTYPES, pack_weight, packed_linear, packing_available
-from mrv2.layers.quantization import (BlockGemv, QuantizedMatmul, QuantizedWeight, place_in_one_buffer,
+from mrv2.layers.quantization import (QuantizedMatmul, QuantizedWeight, block_gemvs, place_in_one_buffer,
                                       quantized_matmul)
 from mrv2.models.weights import load_hf_weights
 
@@ -322,7 +322,7 @@ class CausalLM(nn.Module):
         if embed.weight is not None:
             embed.quantized = None  # the dense table serves lookups; the LM head has its own packs
         self._lm_head_quantized = None
-        gemvs = [g for g in [m.int4 for m in linears] + [self.lm_head_int4] if isinstance(g, BlockGemv)]
+        gemvs = [g for matmul in [m.int4 for m in linears] + [self.lm_head_int4] for g in block_gemvs(matmul)]
         if allocate is not None and gemvs:
             place_in_one_buffer(gemvs, allocate)
         int4 = sum(m.int4.nbytes for m in linears if m.int4 is not None)

@@ -3,11 +3,14 @@ machine runs gives the dequantized weight's matmul within bf16 rounding, eagerly
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from mrv2.config import QuantPolicy
-from mrv2.layers.quantization import BlockGemv, Int4Matmul, QuantizedWeight, block_gemv_supports, quantized_matmul
+from mrv2.layers.linear import Linear
+from mrv2.layers.quantization import (BlockGemv, Int4Matmul, QuantizedWeight, StackedMatmul, block_gemv_supports,
+                                      block_gemvs, quantized_matmul)
 from mrv2.platforms.cpu import GEMV_ISAS, CpuPlatform
 from quant_helpers import held_in_fp16, quantized
 
@@ -203,3 +206,27 @@ def test_weights_the_block_gemv_cannot_hold_take_torchs_int4_kernel():
     assert isinstance(quantized_matmul(q6k, torch.bfloat16, policy), BlockGemv)
     assert quantized_matmul(q6k, torch.bfloat16, QuantPolicy(int4_max_rows=4)) is None
     assert quantized_matmul(q41, torch.bfloat16, QuantPolicy()) is None
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_fused_layer_of_shards_of_different_types_keeps_each_run_quantized(rows):
+    # Q4_K_M's fused QKV: Q4_K queries and keys, Q6_K values. Each run of one type on its own block kernel, the
+    # outputs side by side; with no kernel for one run (torch's int4 kernel cannot take Q6_K) all is dequantized.
+    shards = [quantized("Q4_K", 64, 256, seed=1), quantized("Q4_K", 32, 256, seed=2), quantized("Q6_K", 32, 256, seed=3)]
+    held = torch.cat([_held(w) for w, _ in shards])
+    lin = Linear(256, [64, 32, 32], bias=False, dtype=torch.bfloat16)
+    for i, (w, _) in enumerate(shards):
+        lin.load_shard(lin.weight, i, w)
+    lin.finalize_quantization(QuantPolicy(int4_max_rows=4, gemv_isa=MACHINE_ISA), keep_dense=False)
+    assert isinstance(lin.int4, StackedMatmul) and [g.out_features for g in block_gemvs(lin.int4)] == [96, 32]
+    x = torch.randn(rows, 256, dtype=torch.bfloat16)
+    got = lin(x)
+    assert got.shape == (rows, 128)
+    _close(got, x.double() @ held.double().t())
+
+    lin = Linear(256, [64, 32, 32], bias=False, dtype=torch.float32)
+    for i, (w, _) in enumerate(shards):
+        lin.load_shard(lin.weight, i, w)
+    lin.finalize_quantization(QuantPolicy(int4_max_rows=4), keep_dense=False)
+    assert lin.int4 is None
+    assert torch.equal(lin.weight, torch.from_numpy(np.concatenate([ref for _, ref in shards])))
