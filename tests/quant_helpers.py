@@ -1,32 +1,36 @@
-"""GGUF blocks for tests of the quantized path."""
+"""GGUF blocks and tiny GGUF vocabularies for tests of the quantized path."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from mrv2.layers.quantization import QuantizedWeight
 from mrv2.loader.gguf_quant import decode_blocks, stored_weight
 
 
-def random_q4_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Raw Q4_K blocks ([n, k / 256 * 144] uint8): random codes and 6-bit scales, small positive d and dmin.
+def random_q4_k(n: int, k: int, rng: np.random.Generator, d: float = 0.01, dmin: float | None = None) -> np.ndarray:
+    """Raw Q4_K blocks ([n, k / 256 * 144] uint8): random codes and 6-bit scales, positive d up to `d` and dmin
+    up to `dmin` (2d where not given; 7.5d centres the weights on zero).
 
     `gguf` cannot quantize to Q4_K, but any bytes are valid blocks (finite halves aside).
     """
     blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
-    blocks[..., 0:2] = rng.uniform(0.001, 0.01, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
-    blocks[..., 2:4] = rng.uniform(0.001, 0.02, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+    blocks[..., 0:2] = rng.uniform(d / 10, d, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+    dmin = 2 * d if dmin is None else dmin
+    blocks[..., 2:4] = rng.uniform(dmin / 10, dmin, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(n, -1)
 
 
-def random_q6_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Raw Q6_K blocks ([n, k / 256 * 210] uint8): random codes and int8 sub-block scales (either sign), small
-    positive d. `gguf` cannot quantize to Q6_K either."""
+def random_q6_k(n: int, k: int, rng: np.random.Generator, d: float = 0.001, sc: int = 128) -> np.ndarray:
+    """Raw Q6_K blocks ([n, k / 256 * 210] uint8): random codes, int8 sub-block scales in [-sc, sc) (either sign)
+    and positive d up to `d`. `gguf` cannot quantize to Q6_K either."""
     blocks = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
-    blocks[..., 208:210] = rng.uniform(0.0001, 0.001, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+    blocks[..., 192:208] = rng.integers(-sc, sc, (n, k // 256, 16)).astype(np.int8).view(np.uint8)
+    blocks[..., 208:210] = rng.uniform(d / 10, d, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(n, -1)
 
 
@@ -91,3 +95,23 @@ def check_int8_product(weight: QuantizedWeight, x: torch.Tensor, got: torch.Tens
     exact = x.double() @ w.t()
     bound = (scale.double() / 2) @ coded.abs().view(n, k // 32, 32).sum(-1).t()
     assert ((got.double() - exact).abs() <= bound * (1 + 2 ** -10) + exact.abs().max() * 2 ** -18).all()
+
+
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def add_tiny_vocabulary(writer: GGUFWriter) -> int:
+    """A byte-level BPE vocabulary (the three specials, the 256 byte tokens, two merges) and a chat template in
+    `writer`'s metadata; returns its size."""
+    tokens = TINY_SPECIALS + list(bytes_to_unicode().values()) + ["Ġt", "he"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(TINY_SPECIALS) + [1] * (len(tokens) - len(TINY_SPECIALS)))
+    writer.add_token_merges(["Ġ t", "h e"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(TINY_CHAT_TEMPLATE)
+    return len(tokens)

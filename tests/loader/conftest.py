@@ -9,13 +9,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from quant_helpers import add_tiny_vocabulary
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 64, 4, 2, 128, 2
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 Q8_0 = GGMLQuantizationType.Q8_0
-CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 
 
 @pytest.fixture
@@ -40,7 +38,6 @@ def tiny_gguf() -> TinyGguf:
     def write(path: Path, arch: str = "llama", *, untied: bool = False, bias: bool = False, head_dim: int = 0):
         rng = np.random.default_rng(0)
         head_dim = head_dim or (32 if arch == "qwen3" else HIDDEN // HEADS)
-        tokens = SPECIALS + list(bytes_to_unicode().values()) + ["Ġt", "he"]
         writer = GGUFWriter(path, arch)
         writer.add_block_count(LAYERS)
         writer.add_context_length(256)
@@ -53,15 +50,7 @@ def tiny_gguf() -> TinyGguf:
         if arch == "qwen3":
             writer.add_key_length(head_dim)
             writer.add_value_length(head_dim)
-        writer.add_tokenizer_model("gpt2")
-        writer.add_token_list(tokens)
-        writer.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
-        writer.add_token_merges(["Ġ t", "h e"])
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        writer.add_pad_token_id(2)
-        writer.add_add_bos_token(False)
-        writer.add_chat_template(CHAT_TEMPLATE)
+        vocab = add_tiny_vocabulary(writer)
 
         expected: dict[str, np.ndarray] = {}
 
@@ -76,10 +65,10 @@ def tiny_gguf() -> TinyGguf:
             else:
                 writer.add_tensor(gguf_name, stored)
 
-        add("token_embd.weight", "model.embed_tokens.weight", (len(tokens), HIDDEN), q8=True)
+        add("token_embd.weight", "model.embed_tokens.weight", (vocab, HIDDEN), q8=True)
         add("output_norm.weight", "model.norm.weight", (HIDDEN,), norm=True)
         if untied:
-            add("output.weight", "lm_head.weight", (len(tokens), HIDDEN))
+            add("output.weight", "lm_head.weight", (vocab, HIDDEN))
         q_rows, kv_rows = HEADS * head_dim, KV_HEADS * head_dim
         for i in range(LAYERS):
             g, h = f"blk.{i}.", f"model.layers.{i}."
