@@ -101,6 +101,22 @@ TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 
 
+def tiny_gguf_writer(path, arch: str, *, layers: int, hidden: int, ffn: int, heads: int,
+                     kv_heads: int) -> GGUFWriter:
+    """A `GGUFWriter` for a tiny model of `arch` with its shape in the metadata (256 tokens of context, RMS norm
+    eps 1e-6, rotary base 10000)."""
+    writer = GGUFWriter(path, arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    return writer
+
+
 def add_tiny_vocabulary(writer: GGUFWriter) -> int:
     """A byte-level BPE vocabulary (the three specials, the 256 byte tokens, two merges) and a chat template in
     `writer`'s metadata; returns its size."""

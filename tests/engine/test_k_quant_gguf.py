@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType
 
 from mrv2 import LLM, SamplingParams
 from mrv2.layers.linear import Linear
 from mrv2.layers.quantization import StackedMatmul, block_gemvs
 from mrv2.platforms.cpu import CpuPlatform
-from quant_helpers import add_tiny_vocabulary, random_q4_k, random_q6_k
+from quant_helpers import add_tiny_vocabulary, random_q4_k, random_q6_k, tiny_gguf_writer
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 256, 4, 2, 512, 2  # K-quants: input features in 256-weight super-blocks
 Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
@@ -27,15 +27,7 @@ def _write_k_quant_llama(path: Path) -> None:
     """A tiny Llama as llama-quantize's Q4_K_M lays one out: Q4_K everywhere but the LM head, half the layers'
     values and feed-forward outputs (Q6_K). Random blocks with scales that keep weights near 0.1."""
     rng = np.random.default_rng(0)
-    writer = GGUFWriter(path, "llama")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10000.0)
+    writer = tiny_gguf_writer(path, "llama", layers=LAYERS, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS)
     vocab = add_tiny_vocabulary(writer)
 
     def add(name: str, rows: int, cols: int, qtype: GGMLQuantizationType) -> None:

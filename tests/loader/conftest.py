@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from quant_helpers import add_tiny_vocabulary
+from quant_helpers import add_tiny_vocabulary, tiny_gguf_writer
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 64, 4, 2, 128, 2
 Q8_0 = GGMLQuantizationType.Q8_0
@@ -38,15 +38,7 @@ def tiny_gguf() -> TinyGguf:
     def write(path: Path, arch: str = "llama", *, untied: bool = False, bias: bool = False, head_dim: int = 0):
         rng = np.random.default_rng(0)
         head_dim = head_dim or (32 if arch == "qwen3" else HIDDEN // HEADS)
-        writer = GGUFWriter(path, arch)
-        writer.add_block_count(LAYERS)
-        writer.add_context_length(256)
-        writer.add_embedding_length(HIDDEN)
-        writer.add_feed_forward_length(FFN)
-        writer.add_head_count(HEADS)
-        writer.add_head_count_kv(KV_HEADS)
-        writer.add_layer_norm_rms_eps(1e-6)
-        writer.add_rope_freq_base(10000.0)
+        writer = tiny_gguf_writer(path, arch, layers=LAYERS, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS)
         if arch == "qwen3":
             writer.add_key_length(head_dim)
             writer.add_value_length(head_dim)
