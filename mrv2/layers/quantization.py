@@ -24,8 +24,8 @@ GGUF dequantization up to that dtype's rounding of the scales.
 `BlockGemv` runs every one of these types on the platform's own block kernels
 (`torch.ops.mrv2_gguf`, loaded by the platform), which keep GGUF's blocks and fp16 scales as
 they are (Q4_K's per-32 scales and mins and Q6_K's per-16 scales rounded to fp16, 2^-11 of each
-at most; Q6_K as Q8_0 with two scales a block; one pass over the weights for Q8_0) and sum integer products with the activations quantized to int16 per
-block (a finer step than bf16).
+at most; Q6_K as Q8_0 with two scales a block; one pass over the weights for Q8_0) and sum
+integer products with the activations quantized to int16 per block (a finer step than bf16).
 Where the policy names a `gemm_isa`, batches of more rows run on the block GEMM over a second
 layout of the same codes (`GemmTiles`): on AMX and AVX512-BF16, bf16 activations times each tile
 dequantized to bf16 in cache, as a dense bf16 copy holds it, summed in fp32; on AVX2 CPUs without
@@ -406,8 +406,8 @@ def stacked_matmul(shards: list[QuantizedWeight], dtype: torch.dtype,
 
 
 def quantized_matmul(weight: QuantizedWeight, dtype: torch.dtype, policy: QuantPolicy) -> Int4Matmul | BlockGemv | None:
-    """The policy's kernel for `weight`: the block GEMV where it holds the weight exactly, else torch's
-    int4 kernel where its shapes allow; None: neither (the weight is dequantized)."""
+    """The policy's kernel for `weight`: the block GEMV where it holds the weight (see `block_gemv_supports`),
+    else torch's int4 kernel where it takes the weight; None: neither (the weight is dequantized)."""
     if not policy.uses_int4:
         return None
     if policy.gemv_isa and block_gemv_supports(weight):

@@ -113,7 +113,7 @@ def _swiglu(product: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("rows", [5, 12, 16, 17, 40, 64, 100])
 def test_gated_product_is_swiglu_of_the_products_halves(qtype, rows, gemm_isa):
     # Four column tiles: gates in the first two, the values they gate in the last two (as gate_up_proj stacks them).

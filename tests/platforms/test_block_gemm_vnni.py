@@ -59,7 +59,7 @@ def test_batches_up_to_the_gemv_rows_keep_the_gemv():
     assert torch.equal(both(large), both.tiles(large)) and not torch.equal(both(large), gemv(large))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("rows", [3, 12, 17, 64])
 def test_gated_product_is_swiglu_of_the_products_halves(qtype, rows):
     # Four column tiles: gates in the first two, the values they gate in the last two (as gate_up_proj stacks them).
