@@ -212,7 +212,8 @@ def test_weights_the_block_gemv_cannot_hold_take_torchs_int4_kernel():
 def test_a_fused_layer_of_shards_of_different_types_keeps_each_run_quantized(rows):
     # Q4_K_M's fused QKV: Q4_K queries and keys, Q6_K values. Each run of one type on its own block kernel, the
     # outputs side by side; with no kernel for one run (torch's int4 kernel cannot take Q6_K) all is dequantized.
-    shards = [quantized("Q4_K", 64, 256, seed=1), quantized("Q4_K", 32, 256, seed=2), quantized("Q6_K", 32, 256, seed=3)]
+    shards = [quantized("Q4_K", 64, 256, seed=1), quantized("Q4_K", 32, 256, seed=2),
+              quantized("Q6_K", 32, 256, seed=3)]
     held = torch.cat([_held(w) for w, _ in shards])
     lin = Linear(256, [64, 32, 32], bias=False, dtype=torch.bfloat16)
     for i, (w, _) in enumerate(shards):

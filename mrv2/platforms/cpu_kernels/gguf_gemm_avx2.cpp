@@ -97,7 +97,8 @@ void strip_rows(const uint8_t* panel, const float* d, const float* s, int64_t nb
       if (kSub == 2 && g == 4) {  // the block's first 16 features, under their own scale
         const __m256 dw = _mm256_loadu_ps(scales + kStrip * 2 * b);
         for (int r = 0; r < R; ++r) {
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(dw, _mm256_set1_ps(d[b * kRows + r])), acc[r]);
+          const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(d[b * kRows + r]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), scale, acc[r]);
           sums[r] = _mm256_setzero_si256();
         }
       }

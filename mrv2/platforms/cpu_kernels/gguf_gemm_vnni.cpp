@@ -103,7 +103,8 @@ inline void unpack_tile(const uint8_t* codes, const uint16_t* d16, const uint16_
                         float* m) {
   prefetch_tiles_ahead(codes, kQ4 ? kTileElems / 2 : kTileElems, d16, m16);
   for (int h = 0; h < kSub; ++h) {
-    _mm512_storeu_ps(d + kTileN * h, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d16 + kTileN * h))));
+    const auto* half = reinterpret_cast<const __m256i*>(d16 + kTileN * h);
+    _mm512_storeu_ps(d + kTileN * h, _mm512_cvtph_ps(_mm256_loadu_si256(half)));
   }
   if constexpr (kQ4) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m16))));
   auto* out = reinterpret_cast<__m128i*>(dst);

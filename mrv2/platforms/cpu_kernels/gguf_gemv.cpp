@@ -185,7 +185,8 @@ void dot_row_group_q8(const QuantizedX& qx, int64_t K, const uint8_t* codes, con
       if constexpr (kSub == 2) xd = _mm512_permutexvar_ps(twice, xd);  // x's block scale for each of its halves
       __m512 dd[R];  // the blocks' weight scales times x's
       for (int r = 0; r < R; ++r) {
-        dd[r] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid_scales, d16 + (n + r) * ns + b0 * kSub)), xd);
+        const uint16_t* row_scales = d16 + (n + r) * ns + b0 * kSub;
+        dd[r] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid_scales, row_scales)), xd);
       }
       for (int64_t j = 0; j < cb; j += 2) {  // 2 blocks: 64 bytes of codes, 256-bit half k block j + k
         const uint8_t* xp = qx.planes + (b0 + j) / 2 * plane_group_bytes(false);
