@@ -3,8 +3,9 @@
 A shard may arrive quantized (`QuantizedWeight`, from a GGUF file); once every weight
 is loaded, `finalize_quantization` decides how the layer runs it: through the int4
 kernel for small batches (with a dense copy for larger ones when the budget allows;
-shards of different types each on their own kernel), or dequantized. Dense float32 weights may run small batches on the platform's own GEMV
-(`use_dense_gemv`), larger ones through oneDNN or torch, as its policy says.
+shards of different types each on their own kernel), or dequantized. Dense float32
+weights may run small batches on the platform's own GEMV (`use_dense_gemv`), larger
+ones through oneDNN or torch, as its policy says.
 
 Under tensor parallelism (`tp`, see `mrv2.distributed.parallel`) a linear holds a slice:
 "column" layers hold part of every shard's output rows and need no communication; "row"

@@ -134,8 +134,8 @@ class LazyQuantizedWeight:
             return stored_weight(self.qtype, {p: s[start:start + length] for p, s in self._slices.items()})
         spans = {"codes": (start // self._per_byte, length // self._per_byte)}
         b, n = column_blocks(self.qtype, start, length)
-        s = SUB_BLOCKS.get(self.qtype, 1)
-        spans["scales"], spans["mins"] = (b * s, n * s), (b, n)
+        per_block = SUB_BLOCKS.get(self.qtype, 1)  # scales a 32-weight block
+        spans["scales"], spans["mins"] = (b * per_block, n * per_block), (b, n)
         return stored_weight(self.qtype, {p: s[:, spans[p][0]:spans[p][0] + spans[p][1]]
                                           for p, s in self._slices.items()})
 
