@@ -65,12 +65,51 @@ def k_quant_gguf(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One conversion cache for the module's engines: the file is converted once."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MRV2_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 def _llm(path: Path, **kwargs) -> LLM:
     return LLM(model=str(path), max_model_len=256, max_num_seqs=8, kv_cache_memory=8 << 20, **kwargs)
 
 
-def test_a_k_quant_file_keeps_every_layer_quantized_and_scores_as_bf16_does(k_quant_gguf, monkeypatch, tmp_path):
-    monkeypatch.setenv("MRV2_CACHE_DIR", str(tmp_path / "cache"))
+IDS = list(range(40, 140))  # a prompt of 100 tokens to score
+PROMPTS = [{"prompt_token_ids": [50 + 7 * i + j for j in range(12)]} for i in range(3)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def exact(k_quant_gguf, cache) -> LLM:
+    """The file dequantized, in fp32: the reference."""
+    return _llm(k_quant_gguf, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def dense(k_quant_gguf, cache) -> LLM:
+    """The file dequantized, in bf16."""
+    return _llm(k_quant_gguf, dtype="bfloat16", quantization=None)
+
+
+@pytest.fixture(scope="module")
+def scores(exact, dense) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's logprobs of IDS, and bf16's mean absolute error against them."""
+    ref = exact.engine.runner.target_logprobs(IDS)
+    return ref, (dense.engine.runner.target_logprobs(IDS) - ref).abs().mean()
+
+
+def _greedy(llm: LLM, prompts: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def _agreement(have: list[list[int]], want: list[list[int]]) -> float:
+    return sum(a == b for h, w in zip(have, want) for a, b in zip(h, w)) / sum(map(len, want))
+
+
+def test_a_k_quant_file_keeps_every_layer_quantized_and_scores_as_bf16_does(k_quant_gguf, cache, dense, scores):
     quantized = _llm(k_quant_gguf, dtype="bfloat16")
     model = quantized.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -80,12 +119,8 @@ def test_a_k_quant_file_keeps_every_layer_quantized_and_scores_as_bf16_does(k_qu
     assert {g.sub_blocks for m in linears for g in block_gemvs(m.int4)} == {1, 2}
     assert [g.sub_blocks for g in block_gemvs(model.lm_head_int4)] == [2]  # the Q6_K LM head
 
-    exact = _llm(k_quant_gguf, dtype="float32")  # dequantized, fp32: the reference
-    dense = _llm(k_quant_gguf, dtype="bfloat16", quantization=None)
-    ids = list(range(40, 140))
-    ref = exact.engine.runner.target_logprobs(ids)
-    bf16 = (dense.engine.runner.target_logprobs(ids) - ref).abs().mean()
-    got = (quantized.engine.runner.target_logprobs(ids) - ref).abs().mean()
+    ref, bf16 = scores
+    got = (quantized.engine.runner.target_logprobs(IDS) - ref).abs().mean()
     # The prompt's 100 rows on the block GEMM. On AVX512-VNNI CPUs the activations are quantized to int8 per block
     # there, as llama.cpp's are (Zen 4: 0.063 mean absolute logprob error against fp32, bf16's 0.022); elsewhere
     # bf16 activations times the dequantized tiles (Zen 4, `int8_activations=False`: 0.022).
@@ -94,41 +129,29 @@ def test_a_k_quant_file_keeps_every_layer_quantized_and_scores_as_bf16_does(k_qu
 
     # Decode steps of 1 and 3 rows on the block GEMV: mostly the dense bf16 model's tokens (all 32 of them, measured
     # on Zen 4), and every KV block back.
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [50 + 7 * i + j for j in range(12)]} for i in range(3)]
-    for batch in (prompts[:1], prompts):
-        want = [o.outputs[0].token_ids for o in dense.generate(batch, params)]
-        have = [o.outputs[0].token_ids for o in quantized.generate(batch, params)]
-        agree = sum(a == b for h, w in zip(have, want) for a, b in zip(h, w)) / sum(map(len, want))
-        assert agree >= 0.5, (have, want)
+    for batch in (PROMPTS[:1], PROMPTS):
+        have, want = _greedy(quantized, batch), _greedy(dense, batch)
+        assert _agreement(have, want) >= 0.5, (have, want)
     assert quantized.engine.scheduler.block_pool.is_whole()
 
 
-def test_a_k_quant_file_on_a_zen_3_runs_float32_on_the_avx2_kernels(k_quant_gguf, monkeypatch, tmp_path):
+def test_a_k_quant_file_on_a_zen_3_runs_float32_on_the_avx2_kernels(k_quant_gguf, cache, exact, scores,
+                                                                    monkeypatch):
     # A CPU without native bf16 (Zen 3's flags; this CPU runs their code too): float32 activations, the block
     # GEMV for a few rows and the AVX2 block GEMM (int8 activations per block) above, Q6_K's two scales a block
     # in both.
     from mrv2.platforms import cpu as cpu_platform
 
-    monkeypatch.setenv("MRV2_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_platform, "_cpuinfo", lambda: {"flags": "avx2 fma f16c", "vendor_id": "AuthenticAMD"})
     quantized = _llm(k_quant_gguf, quantization="gguf", enforce_eager=True)
     assert quantized.engine.runner.model.dtype == torch.float32
     linears = [m for m in quantized.engine.runner.model.modules() if isinstance(m, Linear)]
     gemvs = [g for m in linears for g in block_gemvs(m.int4)]
     assert len(gemvs) == 4 * LAYERS + LAYERS // 2 and {g.tiles.engine for g in gemvs} == {"avx2"}
-    exact = _llm(k_quant_gguf, dtype="float32")
-    dense = _llm(k_quant_gguf, dtype="bfloat16", quantization=None)
-    ids = list(range(40, 140))
-    ref = exact.engine.runner.target_logprobs(ids)
-    bf16 = (dense.engine.runner.target_logprobs(ids) - ref).abs().mean()
-    error = (quantized.engine.runner.target_logprobs(ids) - ref).abs().mean()
+    ref, bf16 = scores
+    error = (quantized.engine.runner.target_logprobs(IDS) - ref).abs().mean()
     # The prompt's rows on the int8 GEMM, measured on Zen 4 with Zen 3's flags: 0.058 mean absolute logprob error
     # against fp32, bf16's 0.022.
     assert error <= 4 * bf16, (float(error), float(bf16))
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [50 + 7 * i + j for j in range(12)]} for i in range(3)]
-    have = [o.outputs[0].token_ids for o in quantized.generate(prompts, params)]
-    want = [o.outputs[0].token_ids for o in exact.generate(prompts, params)]
-    assert sum(a == b for h, w in zip(have, want) for a, b in zip(h, w)) >= 0.9 * sum(map(len, want))  # all, on Zen 4
+    assert _agreement(_greedy(quantized, PROMPTS), _greedy(exact, PROMPTS)) >= 0.9  # all, on Zen 4
     assert quantized.engine.scheduler.block_pool.is_whole()
