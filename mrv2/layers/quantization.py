@@ -98,10 +98,9 @@ class QuantizedWeight:
         if dim == 0:
             mins = self.mins[start:start + length] if self.mins is not None else None
             return QuantizedWeight(self.qtype, self.codes[start:start + length], self.scales[start:start + length], mins)
-        b, n = column_blocks(self.qtype, start, length)
-        mins = self.mins[:, b:b + n] if self.mins is not None else None
-        s = self.sub_blocks
-        return QuantizedWeight(self.qtype, self.codes[:, start:start + length], self.scales[:, b * s:(b + n) * s], mins)
+        columns = column_spans(self.qtype, start, length)
+        mins = self.mins[:, columns["mins"]] if self.mins is not None else None
+        return QuantizedWeight(self.qtype, self.codes[:, start:start + length], self.scales[:, columns["scales"]], mins)
 
     @staticmethod
     def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
@@ -114,12 +113,14 @@ class QuantizedWeight:
                                torch.cat([p.scales for p in parts]), mins)
 
 
-def column_blocks(qtype: str, start: int, length: int) -> tuple[int, int]:
-    """(first block, blocks) of weight columns [start, start + length), which must be whole 32-weight blocks."""
+def column_spans(qtype: str, start: int, length: int) -> dict[str, slice]:
+    """The columns of "scales" and "mins" that hold weight columns [start, start + length), which must be whole
+    32-weight blocks (Q6_K's scales: two a block)."""
     if start % GGUF_BLOCK or length % GGUF_BLOCK:
         raise ValueError(f"a {qtype} weight splits by columns only at {GGUF_BLOCK}-weight blocks, "
                          f"not at [{start}, {start + length})")
-    return start // GGUF_BLOCK, length // GGUF_BLOCK
+    first, end, per_block = start // GGUF_BLOCK, (start + length) // GGUF_BLOCK, SUB_BLOCKS.get(qtype, 1)
+    return {"scales": slice(first * per_block, end * per_block), "mins": slice(first, end)}
 
 
 def int4_kernel_supports(weight: QuantizedWeight) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mrv2.layers.quantization import INT8_CODES, SUB_BLOCKS, QuantizedWeight, column_blocks
+from mrv2.layers.quantization import INT8_CODES, QuantizedWeight, column_spans
 from mrv2.loader.cache import QUANT_FILE
 
 # GGUF type name -> (weights, bytes) per block
@@ -132,12 +132,9 @@ class LazyQuantizedWeight:
         dim, start, length = part
         if dim == 0:
             return stored_weight(self.qtype, {p: s[start:start + length] for p, s in self._slices.items()})
-        spans = {"codes": (start // self._per_byte, length // self._per_byte)}
-        b, n = column_blocks(self.qtype, start, length)
-        per_block = SUB_BLOCKS.get(self.qtype, 1)  # scales a 32-weight block
-        spans["scales"], spans["mins"] = (b * per_block, n * per_block), (b, n)
-        return stored_weight(self.qtype, {p: s[:, spans[p][0]:spans[p][0] + spans[p][1]]
-                                          for p, s in self._slices.items()})
+        columns = column_spans(self.qtype, start, length)
+        columns["codes"] = slice(start // self._per_byte, (start + length) // self._per_byte)
+        return stored_weight(self.qtype, {p: s[:, columns[p]] for p, s in self._slices.items()})
 
 
 def iter_quantized_weights(folder: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
