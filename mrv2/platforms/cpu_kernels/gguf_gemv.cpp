@@ -27,26 +27,48 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 
+#include "prefetch.inc"
+
 // A thread reads its weight rows in order, a few hundred bytes a row, with a few instructions per
-// 64 bytes: each row touches the lines this far ahead in the codes (and the scales of as many rows
-// ahead), where the hardware prefetchers fall behind. Measured on the default model's Q8_0 LM head
-// (49152 x 576, one row of x, 2 vCPU Sapphire Rapids): 1.1-1.4 ms against 1.8-2.1 without.
-constexpr int64_t kPrefetchBytes = 2048;
+// 64 bytes, where the hardware prefetchers fall behind; the kernels touch the lines ahead of them.
+// The multi-row kernels (gguf_dot.inc), a weight row at a time: the row's lines kRowPrefetchBytes on,
+// into L1, and the scales of as many rows on. Measured on the default model's Q8_0 LM head (49152 x
+// 576, one row of x, 2 vCPU Sapphire Rapids): 1.1-1.4 ms against 1.8-2.1 without.
+constexpr int64_t kRowPrefetchBytes = 2048;
 
-// Weight rows the scales are prefetched ahead by: those kPrefetchBytes of codes ahead.
-constexpr int64_t rows_ahead(int64_t row_bytes) { return (kPrefetchBytes + row_bytes - 1) / row_bytes; }
+// The single-row AVX-512 kernels, which spend fewer instructions a byte: the line kLinePrefetchBytes
+// on as each 64 bytes of codes are loaded (`prefetch_streamed`: into L2 on AMD CPUs, L1 elsewhere),
+// and a group of rows at a time their scales as far ahead. On a 2 vCPU Zen 4, 8192 bytes ahead into
+// L2, a line at a time: 24 Q4_K weights of 5632 x 1024 and 24 of 1024 x 2816, and as many Q6_K,
+// called in turn, streamed 29-47 GB/s (median 35) against 17-27 (median 21) with 2048 bytes into L1 a
+// group of rows at a time, and 21-26 with 8192 into L1 (its dense GEMV, also into L2: 35 GB/s).
+// Sapphire Rapids keeps its 2048 bytes into L1, now a line at a time.
+inline const int64_t kLinePrefetchBytes = kPrefetchIntoL2 ? 8192 : 2048;
 
-// Touches the lines `kPrefetchBytes` past `rows` (`num_rows` weight rows of `row_bytes`, one stretch)
-// and the per-block scales (and mins) of as many rows from `d16_ahead` (and `m16_ahead`): those
-// `rows_ahead` rows on. Past the end of the weights it touches nothing that faults.
-inline void prefetch_ahead(const uint8_t* rows, int64_t row_bytes, int64_t num_rows, const uint16_t* d16_ahead,
-                           const uint16_t* m16_ahead, int64_t nb) {
-  const char* ahead = reinterpret_cast<const char*>(rows) + kPrefetchBytes;
-  for (int64_t i = 0; i < num_rows * row_bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-  for (int64_t i = 0; i < num_rows * nb * 2; i += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(d16_ahead) + i, _MM_HINT_T0);
-    if (m16_ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m16_ahead) + i, _MM_HINT_T0);
+// Weight rows of `row_bytes` the scales are prefetched ahead by: those `bytes_ahead` of codes ahead.
+inline int64_t rows_ahead(int64_t row_bytes, int64_t bytes_ahead = kRowPrefetchBytes) {
+  return (bytes_ahead + row_bytes - 1) / row_bytes;
+}
+
+// Touches `count` scales from `d16_ahead` (and as many mins from `m16_ahead`), into L1 or as
+// `prefetch_streamed` does (`streamed`). Past the end of the weights it touches nothing that faults.
+inline void prefetch_scales(const uint16_t* d16_ahead, const uint16_t* m16_ahead, int64_t count, bool streamed) {
+  for (int64_t i = 0; i < count * 2; i += 64) {
+    for (const uint16_t* p : {d16_ahead, m16_ahead}) {
+      if (p == nullptr) continue;
+      const char* line = reinterpret_cast<const char*>(p) + i;
+      streamed ? prefetch_streamed(line) : _mm_prefetch(line, _MM_HINT_T0);
+    }
   }
+}
+
+// Touches the lines kRowPrefetchBytes past `row` (of `row_bytes`) and `count` scales (and mins) from
+// `d16_ahead` (and `m16_ahead`): those of the row `rows_ahead` on.
+inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint16_t* d16_ahead,
+                           const uint16_t* m16_ahead, int64_t count) {
+  const char* ahead = reinterpret_cast<const char*>(row) + kRowPrefetchBytes;
+  for (int64_t i = 0; i < row_bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+  prefetch_scales(d16_ahead, m16_ahead, count, false);
 }
 
 // Rows of x a pass over the weights serves, as many as keep their accumulators in registers:
@@ -171,10 +193,10 @@ void dot_row_group_q8(const QuantizedX& qx, int64_t K, const uint8_t* codes, con
   const __m512i lane_blocks = kSub == 1 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
                                         : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const int64_t ahead = rows_ahead(K) * ns;
+  const int64_t pf = kLinePrefetchBytes, ahead = rows_ahead(K, pf) * ns;
   for (int64_t n = n0; n + R <= n1; n += R) {
     const uint8_t* wrow = codes + n * K;
-    prefetch_ahead(wrow, K, R, d16 + n * ns + ahead, nullptr, ns);
+    prefetch_scales(d16 + n * ns + ahead, nullptr, R * ns, true);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += kChunk) {
@@ -197,6 +219,7 @@ void dot_row_group_q8(const QuantizedX& qx, int64_t K, const uint8_t* codes, con
         for (int r = 0; r < R; ++r) {
           const uint8_t* w = wrow + r * K + 32 * (b0 + j);
           const __m512i v = whole ? _mm512_loadu_si512(w) : _mm512_zextsi256_si512(load256(w));
+          prefetch_streamed(w + pf);
           // q * x = 256 * q * high(x) + low(x) * q, the first as (q + 128) * high(x) less 128 * high(x),
           // the high bytes' sum starting the accumulator.
           const __m512i high = _mm512_dpbusd_epi32(high_bias, _mm512_xor_si512(v, bias), xh);
@@ -230,10 +253,10 @@ void dot_row_group_q4(const QuantizedX& qx, int64_t K, const uint8_t* codes, con
   const int64_t nb = K / 32, row_bytes = K / 2;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   const __m512i lane_blocks = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const int64_t ahead = rows_ahead(row_bytes) * nb;
+  const int64_t pf = kLinePrefetchBytes, ahead = rows_ahead(row_bytes, pf) * nb;
   for (int64_t n = n0; n + R <= n1; n += R) {
     const uint8_t* wrow = codes + n * row_bytes;
-    prefetch_ahead(wrow, row_bytes, R, d16 + n * nb + ahead, m16 + n * nb + ahead, nb);
+    prefetch_scales(d16 + n * nb + ahead, m16 + n * nb + ahead, R * nb, true);
     // One sum a row: lanes hold blocks' scaled products and, 16 blocks at a time, mins times x's sums.
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -257,6 +280,7 @@ void dot_row_group_q4(const QuantizedX& qx, int64_t K, const uint8_t* codes, con
         for (int r = 0; r < R; ++r) {
           const uint8_t* w = wrow + r * row_bytes + 16 * (b0 + j);
           const __m512i v = whole ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi8(bytes, w);
+          prefetch_streamed(w + pf);
           const __m512i q0 = _mm512_and_si512(v, low_nibbles);                         // weights 0..15
           const __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);  // weights 16..31
           // q * x = 256 * q * high(x) + q * low(x): the high bytes signed, the low ones unsigned.
