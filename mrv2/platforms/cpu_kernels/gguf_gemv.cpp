@@ -39,10 +39,12 @@ constexpr int64_t kRowPrefetchBytes = 2048;
 // The single-row AVX-512 kernels, which spend fewer instructions a byte: the line kLinePrefetchBytes
 // on as each 64 bytes of codes are loaded (`prefetch_streamed`: into L2 on AMD CPUs, L1 elsewhere),
 // and a group of rows at a time their scales as far ahead. On a 2 vCPU Zen 4, 8192 bytes ahead into
-// L2, a line at a time: 24 Q4_K weights of 5632 x 1024 and 24 of 1024 x 2816, and as many Q6_K,
-// called in turn, streamed 29-47 GB/s (median 35) against 17-27 (median 21) with 2048 bytes into L1 a
-// group of rows at a time, and 21-26 with 8192 into L1 (its dense GEMV, also into L2: 35 GB/s).
-// Sapphire Rapids keeps its 2048 bytes into L1, now a line at a time.
+// L2, a line at a time, against 2048 into L1 a group of rows at a time: the default model's 30 layers
+// of GEMVs from memory in 0.70-0.81x the time (`tools/gemv_ab.py`), batch-1 decode 1.21x on that
+// model and 1.28x on a Q4_K_M Llama (`mrv2 bench throughput`, medians of 3 alternating pairs). A
+// one-off script streaming Q4_K and Q6_K weights measured the level as what matters: 29-47 GB/s into
+// L2, 21-26 with 8192 bytes into L1, 17-27 before. Sapphire Rapids keeps its 2048 bytes into L1, now
+// a line at a time.
 inline const int64_t kLinePrefetchBytes = kPrefetchIntoL2 ? 8192 : 2048;
 
 // Weight rows of `row_bytes` the scales are prefetched ahead by: those `bytes_ahead` of codes ahead.
