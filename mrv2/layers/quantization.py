@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from mrv2.config import QuantPolicy
+from mrv2.layers.weight_buffer import ALIGNMENT, into_one_buffer
 
 GGUF_BLOCK = 32
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")
@@ -321,19 +322,12 @@ class BlockGemv:
 
 def place_in_one_buffer(gemvs: list[BlockGemv], allocate: Callable[[int], torch.Tensor]) -> int:
     """Move the GEMV weights of `gemvs` (codes, scales, mins; not the GEMM tiles, which only larger batches
-    read) into one uint8 buffer from `allocate`, in list order, each at a 64-byte boundary: a batch-1 step
-    then reads one stretch of memory front to back. Returns the buffer's bytes."""
+    read) into one buffer from `allocate`, in list order (see `into_one_buffer`). Returns the buffer's bytes."""
     held = [(g, name) for g in gemvs for name in ("codes", "scales", "mins") if getattr(g, name) is not None]
-    sizes = [-(-getattr(g, name).nbytes // 64) * 64 for g, name in held]
-    buffer = allocate(sum(sizes))
-    at = 0
-    for (g, name), size in zip(held, sizes):
-        t = getattr(g, name)
-        view = buffer[at:at + t.nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
+    views = into_one_buffer([getattr(g, name) for g, name in held], allocate)
+    for (g, name), view in zip(held, views):
         setattr(g, name, view)
-        at += size
-    return at
+    return sum(-(-v.nbytes // ALIGNMENT) * ALIGNMENT for v in views)
 
 
 SCALE_TAIL = 16  # kScaleTail in cpu_kernels/gguf_gemv.cpp

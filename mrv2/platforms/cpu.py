@@ -82,7 +82,9 @@ class CpuPlatform(Platform):
         offers them. A batch-1 step streams ~95 MB of weights: with 4 KiB pages that is ~24,000 TLB misses
         and as many restarts of the hardware prefetchers, which stop at 4 KiB page boundaries. The
         default model's 120 layer GEMVs and its LM head, back to back: 5.87 ms a step on 2 MiB pages
-        against 6.2 ms on 4 KiB ones (2 vCPU Sapphire Rapids, median of 8 rounds)."""
+        against 6.2 ms on 4 KiB ones (2 vCPU Sapphire Rapids, median of 8 rounds). The same 121 GEMVs on
+        float32 weights (538 MB): 4 KiB / 2 MiB pages took 1.04x, 1.05x and 1.09x the time (2 vCPU Zen 4,
+        medians of 20 alternating pairs in three runs)."""
         return _anonymous_pages(nbytes, huge_pages=True)
 
     def zeroed_storage(self, nbytes: int) -> torch.Tensor:

@@ -91,7 +91,8 @@ class Platform(ABC):
 
     def weight_storage(self, nbytes: int) -> torch.Tensor:
         """One uint8 buffer of `nbytes` on the device for weights every decode step streams through
-        (`CausalLM.finalize_quantization` places the block GEMVs' weights in it, in the order a step reads them)."""
+        (`CausalLM.finalize_quantization` places the block GEMVs' weights in it, and `CausalLM.use_dense_gemv`
+        the dense GEMV's, in the order a step reads them)."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def zeroed_storage(self, nbytes: int) -> torch.Tensor:

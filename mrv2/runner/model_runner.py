@@ -262,7 +262,7 @@ class ModelRunner:
         policy, why = platform.dense_gemv_policy(dtype)
         if policy is None:
             return
-        count = self.model.use_dense_gemv(policy)
+        count = self.model.use_dense_gemv(policy, platform.weight_storage)
         count += use_dense_gemv(self.drafter.head, policy) if self.drafter else 0
         if count:
             logger.info("Dense weights: %d of them (linear layers, LM head) run %s", count, why)

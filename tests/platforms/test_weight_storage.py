@@ -73,3 +73,38 @@ def test_cpu_zeroed_storage_is_zero_and_takes_memory_only_where_written():
     buffer[: 8 << 20].fill_(1)
     assert int(buffer[: 8 << 20].sum()) == 8 << 20 and not buffer[8 << 20:: stride].any()
     assert _rss_bytes() - before < 128 << 20
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_dense_gemv_weights_move_into_one_buffer_in_step_order_and_compute_what_they_did(tiny_checkpoint, tied):
+    """float32 weights on the dense GEMV (every linear layer's, the LM head's) move into one buffer from the
+    platform's weight storage, layer by layer as a step reads them; a tied LM head stays the embedding's table."""
+    from transformers import AutoConfig
+
+    from mrv2.attention import get_attention_backend
+    from mrv2.config import DenseGemvPolicy
+    from mrv2.layers.linear import Linear
+    from mrv2.models.registry import build_model
+    from mrv2.platforms.cpu import DENSE_GEMV_ISAS
+
+    platform = CpuPlatform()
+    policy, _ = platform.dense_gemv_policy(torch.float32)
+    if policy is None:
+        pytest.skip("this CPU has no dense GEMV")
+    path, hf = tiny_checkpoint("llama", tied=tied)
+    model = build_model(AutoConfig.from_pretrained(path), get_attention_backend(platform, "gqa"), torch.float32, 64)
+    model.load_weights(hf.state_dict().items())
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert model.use_dense_gemv(policy) == len(linears) + 1, DENSE_GEMV_ISAS[policy.isa]  # where they are
+    ids = torch.tensor([3, 17, 42, 5, 9])
+    positions = torch.arange(len(ids))
+    with torch.inference_mode():
+        before = model.compute_logits(model(ids, positions, None))
+    assert model.use_dense_gemv(policy, platform.weight_storage) == len(linears) + 1
+    placed = [m.weight for m in linears] + [model.lm_head_weight]
+    assert len({w.untyped_storage().data_ptr() for w in placed}) == 1
+    starts = [w.data_ptr() for w in placed]
+    assert starts == sorted(starts) and all(s % 64 == 0 for s in starts)
+    assert (model.embed_tokens.weight is model.lm_head_weight) == tied
+    with torch.inference_mode():
+        assert torch.equal(model.compute_logits(model(ids, positions, None)), before)
