@@ -93,11 +93,13 @@ class DenseGemvPolicy:
     """Dense float32 weights (linear layers and the LM head) run batches of at most `max_rows` rows on
     the platform's own GEMV kernel, in its instruction set `isa` (the platform's numbering); larger ones
     through oneDNN on the same plain weights where `onednn_above` (CPUs whose torch GEMMs, MKL's, are
-    slow), else through torch."""
+    slow), else through torch. With `row_stream`, one row reads each weight row front to back (the kernel's
+    layout for CPUs where that streams faster; see `cpu_kernels/dense_gemv.cpp`)."""
 
     isa: int
     max_rows: int
     onednn_above: bool = False
+    row_stream: bool = False
 
     def __post_init__(self) -> None:
         if self.isa <= 0 or self.max_rows <= 0:

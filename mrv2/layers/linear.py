@@ -183,7 +183,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     up to `policy.max_rows` rows, above that through oneDNN (`policy.onednn_above`) or torch."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] <= policy.max_rows:
-        y = torch.ops.mrv2.dense_gemv(x2, weight, bias, policy.isa)
+        y = torch.ops.mrv2.dense_gemv(x2, weight, bias, policy.isa, policy.row_stream)
     elif policy.onednn_above:
         y = onednn_linear(x2, weight, bias)
     else:

@@ -258,6 +258,12 @@ class CpuPlatform(Platform):
         run through oneDNN instead, packed (`packs_fp32`) or beside mrv2's dense GEMV (`dense_gemv_policy`)."""
         return self.vendor == "AuthenticAMD"
 
+    def streams_gemv_rows(self) -> bool:
+        """Whether the dense GEMV reads each weight row front to back at one row of x (`DenseGemvPolicy.row_stream`):
+        on AMD CPUs, where that streams faster than the four-row groups tuned on Sapphire Rapids (measured in
+        `cpu_kernels/dense_gemv.cpp`; Intel CPUs unmeasured with it)."""
+        return self.vendor == "AuthenticAMD"
+
     def packs_fp32(self) -> bool:
         """Whether fp32 dense weights are prepacked for oneDNN: where MKL's fp32 GEMMs are slow, when mrv2's
         dense GEMV (which reads plain weights, and keeps them so) cannot run."""
@@ -287,7 +293,7 @@ class CpuPlatform(Platform):
         slow_mkl = self.slow_mkl_fp32()
         onednn = slow_mkl and torch.backends.mkldnn.is_available()
         rows = self.dense_gemv_max_rows_amd if slow_mkl else self.dense_gemv_max_rows
-        return DenseGemvPolicy(isa, rows, onednn_above=onednn), (
+        return DenseGemvPolicy(isa, rows, onednn_above=onednn, row_stream=self.streams_gemv_rows()), (
             f"mrv2's dense GEMV ({DENSE_GEMV_ISAS[isa]}) for {_up_to_rows(rows)}, "
             + ("oneDNN on the same plain weights for more (MKL's fp32 GEMMs are slow on AMD CPUs)" if onednn
                else "torch's GEMMs for more"))

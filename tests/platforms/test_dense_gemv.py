@@ -36,11 +36,23 @@ def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16, 17])  # passes of 3 (AVX2) or 4 rows, and remainders
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (17, 37), (8, 4), (1, 5), (100, 3)])  # K and N tails
 @pytest.mark.parametrize("bias", [False, True])
-def test_dense_gemv_equals_f_linear(isa, rows, k, n, bias):
+@pytest.mark.parametrize("row_stream", [False, True], ids=["groups", "row_stream"])  # one row: either layout
+def test_dense_gemv_equals_f_linear(isa, rows, k, n, bias, row_stream):
     torch.manual_seed(rows * 1000 + k + n)
     x, w = torch.randn(rows, k), torch.randn(n, k)
     b = torch.randn(n) if bias else None
-    _close(torch.ops.mrv2.dense_gemv(x, w, b, isa), _reference(x, w, b), k)
+    _close(torch.ops.mrv2.dense_gemv(x, w, b, isa, row_stream), _reference(x, w, b), k)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: DENSE_GEMV_ISAS[i])
+@pytest.mark.parametrize("k", [576, 1536, 33, 47, 16, 3])  # whole 32-feature steps, a vector and a masked tail
+def test_row_stream_reads_every_feature_once(isa, k):
+    """The single-row layout's tails: integer-valued operands make every product and sum exact in fp32, so a
+    feature read twice or skipped shows as an exact difference."""
+    torch.manual_seed(k)
+    x, w = torch.randint(-3, 4, (1, k)).float(), torch.randint(-3, 4, (37, k)).float()
+    b = torch.randint(-3, 4, (37,)).float()
+    assert torch.equal(torch.ops.mrv2.dense_gemv(x, w, b, isa, True), x @ w.T + b)
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: DENSE_GEMV_ISAS[i])

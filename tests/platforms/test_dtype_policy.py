@@ -166,5 +166,6 @@ def test_dense_gemv_follows_cpu_flags_vendor_and_dtype(flags, vendor, dtype, isa
     assert not (policy and platform.linear_pack_rows(dtype))  # the GEMV reads plain weights: none are packed
     if policy:
         assert policy.max_rows == rows and policy.onednn_above == (vendor == AMD)
+        assert policy.row_stream == (vendor == AMD)  # one row: each weight row front to back, where measured
         assert why.startswith(f"mrv2's dense GEMV ({'AVX-512' if isa == 2 else 'AVX2'})")
         assert ("oneDNN on the same plain weights" in why) == policy.onednn_above

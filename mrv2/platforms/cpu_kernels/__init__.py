@@ -73,7 +73,7 @@ def _register_fakes() -> None:
             return _gemm_out(x, scales, out_dtype, gated)
 
     @torch.library.register_fake("mrv2::dense_gemv")
-    def _dense_gemv(x, weight, bias, isa):
+    def _dense_gemv(x, weight, bias, isa, row_stream=False):
         return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("mrv2::paged_decode_attention")
