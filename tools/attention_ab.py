@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from kernel_versions import build, sources_at, working_sources
+from kernel_versions import alternate, build, sources_at, working_sources
 
 from mrv2.platforms import CpuPlatform
 from mrv2.platforms.cpu import ATTENTION_ISAS
@@ -61,14 +60,12 @@ def main() -> None:
     for mode in ("memory", "cache"):
         layers = caches if mode == "memory" else caches[:1] * LAYERS
         table = tables if mode == "memory" else tables[:1].expand(args.batch, per_request).contiguous()
-        took: dict[str, list[float]] = {"old": [], "new": []}
-        for r in range(args.rounds):
-            for name in ("old", "new") if r % 2 else ("new", "old"):
-                start = time.perf_counter()
-                for k, v in layers:
-                    ops[name](query, k, v, table, seq_lens, DIM ** -0.5, args.isa)
-                took[name].append((time.perf_counter() - start) / LAYERS * 1e6)
-        old_us, new_us = statistics.median(took["old"]), statistics.median(took["new"])
+        def step(name: str) -> None:
+            for k, v in layers:
+                ops[name](query, k, v, table, seq_lens, DIM ** -0.5, args.isa)
+
+        took = alternate(step, args.rounds)
+        old_us, new_us = (statistics.median(took[name]) / LAYERS * 1e6 for name in ("old", "new"))
         print(f"{mode} ({ATTENTION_ISAS[args.isa]}, batch {args.batch}, {args.keys} keys): old {old_us:.0f} us a layer, "
               f"new {new_us:.0f} ({old_us / new_us:.2f}x), {torch.get_num_threads()} threads")
 

@@ -18,14 +18,14 @@ import time
 from pathlib import Path
 
 import torch
-from kernel_versions import build, sources_at, working_sources
+from dense_linear_bench import SHAPES
+from kernel_versions import alternate, build, sources_at, working_sources
 
 from mrv2.layers.weight_buffer import into_one_buffer
 from mrv2.platforms import CpuPlatform
 from mrv2.platforms.cpu import DENSE_GEMV_ISAS
 
 MAIN = "dense_gemv.cpp"
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
 def _call(op, x: torch.Tensor, w: torch.Tensor, isa: int, row_stream: bool) -> torch.Tensor:
@@ -58,9 +58,13 @@ def main() -> None:
     ops = {"old": torch.ops.dense_old.dense_gemv, "new": torch.ops.dense_new.dense_gemv}
     torch.manual_seed(0)
     shapes = SHAPES * 30 + [(49152, 576)]
-    held: list[torch.Tensor] = []
-    weights = into_one_buffer([torch.randn(n, k) * 0.02 for n, k in shapes],
-                              lambda n: held.append(platform.weight_storage(n)) or held[0])
+    held: list[torch.Tensor] = []  # the buffer the weights are placed in, read whole for scale below
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        held.append(platform.weight_storage(nbytes))
+        return held[0]
+
+    weights = into_one_buffer([torch.randn(n, k) * 0.02 for n, k in shapes], allocate)
     nbytes = sum(w.nbytes for w in weights)
     buffer = held[0][:held[0].numel() // 4 * 4].view(torch.float32)
     xs = {k: torch.randn(args.rows, k) for k in (576, 1536)}
@@ -74,19 +78,14 @@ def main() -> None:
         for w in weights:
             _call(ops[name], xs[w.shape[1]], w, isa, row_stream)
 
-    ratios, times, reads = [], [], []
-    for r in range(args.rounds):
-        took = {}
-        for name in ("old", "new") if r % 2 else ("new", "old"):
-            start = time.perf_counter()
-            step(name)
-            took[name] = time.perf_counter() - start
+    took = alternate(step, args.rounds)
+    ratios = [new / old for old, new in zip(took["old"], took["new"])]
+    old, new = statistics.median(took["old"]), statistics.median(took["new"])
+    reads = []
+    for _ in range(args.rounds):  # the same bytes, read through torch's sum, for scale
         start = time.perf_counter()
-        buffer.sum()  # the same bytes, read once through torch's sum, for scale
+        buffer.sum()
         reads.append(time.perf_counter() - start)
-        ratios.append(took["new"] / took["old"])
-        times.append(took)
-    old, new = (statistics.median(t[v] for t in times) for v in ("old", "new"))
     print(f"{args.rows} row(s), {DENSE_GEMV_ISAS[isa]}, row_stream={row_stream}, {args.threads} threads: "
           f"new/old {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
           f"old {old * 1e3:.2f} ms ({nbytes / old / 1e9:.1f} GB/s), new {new * 1e3:.2f} ms "

@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from kernel_versions import build, sources_at, working_sources
+from kernel_versions import alternate, build, sources_at, working_sources
 
 from mrv2.layers.quantization import BlockGemv, QuantizedWeight
 from mrv2.platforms import CpuPlatform
@@ -88,16 +87,9 @@ def main() -> None:
         head_ops[name](xs[576], head.codes, head.scales, isa, torch.float32)
 
     for mode, step in (("stream", layer_steps(layers)), ("hot", layer_steps(layers[:1] * 30)), ("lm_head", head_step)):
-        ratios, times = [], []
-        for r in range(args.rounds):
-            took = {}
-            for name in ("old", "new") if r % 2 else ("new", "old"):
-                start = time.perf_counter()
-                for _ in range(10):
-                    step(name)
-                took[name] = (time.perf_counter() - start) / 10
-            ratios.append(took["new"] / took["old"])
-            times.append(took["old"])
+        took = alternate(step, args.rounds, calls=10)
+        ratios = [new / old for old, new in zip(took["old"], took["new"])]
+        times = took["old"]
         print(f"{mode} ({GEMV_ISAS[isa]}): new/old {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
               f"old {statistics.median(times) * 1e3:.2f} ms a step's {'LM head' if mode == 'lm_head' else 'GEMVs'}, "
               f"{args.threads} threads")

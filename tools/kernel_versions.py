@@ -5,6 +5,8 @@ built with its ops under a namespace of their own."""
 from __future__ import annotations
 
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from torch.utils.cpp_extension import load
@@ -42,3 +44,16 @@ def build(name: str, main: str, files: dict[str, str], library: str, folder: Pat
         (folder / file).write_text(text)
     load(name=f"{name}_ext", sources=[str(folder / main)], extra_cflags=["-O3", "-fopenmp"],
          extra_ldflags=["-fopenmp"], is_python_module=False)
+
+
+def alternate(step: Callable[[str], object], rounds: int, calls: int = 1) -> dict[str, list[float]]:
+    """Seconds a call of `step("old")` and of `step("new")` took in each of `rounds` rounds (the mean of `calls`
+    calls), the two versions in turn, their order alternating from round to round."""
+    took: dict[str, list[float]] = {"old": [], "new": []}
+    for r in range(rounds):
+        for name in ("old", "new") if r % 2 else ("new", "old"):
+            start = time.perf_counter()
+            for _ in range(calls):
+                step(name)
+            took[name].append((time.perf_counter() - start) / calls)
+    return took

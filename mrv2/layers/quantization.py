@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from mrv2.config import QuantPolicy
-from mrv2.layers.weight_buffer import ALIGNMENT, into_one_buffer
+from mrv2.layers.weight_buffer import aligned, into_one_buffer
 
 GGUF_BLOCK = 32
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")
@@ -327,7 +327,7 @@ def place_in_one_buffer(gemvs: list[BlockGemv], allocate: Callable[[int], torch.
     views = into_one_buffer([getattr(g, name) for g, name in held], allocate)
     for (g, name), view in zip(held, views):
         setattr(g, name, view)
-    return sum(-(-v.nbytes // ALIGNMENT) * ALIGNMENT for v in views)
+    return sum(aligned(v.nbytes) for v in views)
 
 
 SCALE_TAIL = 16  # kScaleTail in cpu_kernels/gguf_gemv.cpp
